@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+#
+# Create or refresh a virtual environment for one CPU stack, then install this project into it.
+#   scripts/setup_env.sh            -> .venv           (requirements/cpu.txt: vllm-omni 0.28.0)
+#   scripts/setup_env.sh omni-0.30  -> .venv-omni-0.30 (requirements/cpu-omni-0.30.txt)
+# Idempotent: when neither the requirements nor the project's sources changed, it returns in a second.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+case "${1:-default}" in
+  default) venv=.venv; reqs=requirements/cpu.txt ;;
+  omni-0.30) venv=.venv-omni-0.30; reqs=requirements/cpu-omni-0.30.txt ;;
+  *) echo "setup_env.sh: unknown stack '${1}', expected 'default' or 'omni-0.30'" >&2; exit 2 ;;
+esac
+
+python=${PYTHON:-python3.11}
+if ! command -v "$python" >/dev/null 2>&1; then
+  python=python3
+fi
+if ! "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+  echo "setup_env.sh: Python 3.11 is required, '$python' is $("$python" --version 2>&1)" >&2
+  exit 2
+fi
+
+# Everything that decides what is installed; the project itself is reinstalled when its sources change.
+stamp=$(cat requirements/*.txt setup.py pyproject.toml \
+  $(find vllm_omni minimax_h3_gather -name '*.py' -o -name '*.json' | LC_ALL=C sort) | sha256sum | cut -d' ' -f1)
+if [ -f "$venv/.setup-stamp" ] && [ "$(cat "$venv/.setup-stamp")" = "$stamp" ]; then
+  exit 0
+fi
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+pip=("$venv/bin/python" -m pip --disable-pip-version-check)
+echo "setup_env.sh: installing $reqs into $venv (a few minutes the first time)" >&2
+"${pip[@]}" install -q -r "$reqs" -r requirements/test.txt
+
+# PyPI's torchvision, torchaudio and torchcodec come in as dependencies of vllm/vllm-omni but are built
+# against the CUDA torch: beside torch+cpu they fail at import (missing torchvision::nms, _torchaudio.so,
+# libtorchcodec_image.so) and take vllm-omni's imports down with them. The MiniMax-H3 video VAE needs none.
+"${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+
+# Our modules land inside the installed vllm-omni package, and the plugin entry point is registered.
+"${pip[@]}" install -q --no-deps --force-reinstall .
+
+echo "$stamp" > "$venv/.setup-stamp"
+echo "setup_env.sh: $venv ready" >&2
