@@ -137,7 +137,7 @@ class AutoencoderKL(nn.Module):
     def _blend(tiles, coords, rows, cols, tile_h, tile_w, out_shape) -> torch.Tensor:
         out = torch.zeros(out_shape, dtype=torch.float32, device=tiles[0].device)
         weight = torch.zeros(out_shape[-2:], dtype=torch.float32, device=tiles[0].device)
-        for tile, (y, x) in zip(tiles, coords):
+        for tile, (y, x) in zip(tiles, coords, strict=True):
             w = torch.outer(_blend_ramp(rows, rows.index(y), tile_h), _blend_ramp(cols, cols.index(x), tile_w))
             w = w.to(out.device)
             out[..., y : y + tile_h, x : x + tile_w] += tile.float() * w
@@ -188,7 +188,13 @@ class AutoencoderKL(nn.Module):
             return self._encode_patch(x[..., y : y + tile_h, xx : xx + tile_w])
 
         tiles = self._run_tiles(work, len(coords))
-        out_shape = (x.shape[0], self.latent_channels, x.shape[2] // self.temporal_ratio, x.shape[-2] // r, x.shape[-1] // r)
+        out_shape = (
+            x.shape[0],
+            self.latent_channels,
+            x.shape[2] // self.temporal_ratio,
+            x.shape[-2] // r,
+            x.shape[-1] // r,
+        )
         latent_rows, latent_cols = [y // r for y in rows], [c // r for c in cols]
         latent_coords = [(y // r, xx // r) for y, xx in coords]
         return self._blend(tiles, latent_coords, latent_rows, latent_cols, tile_h // r, tile_w // r, out_shape)

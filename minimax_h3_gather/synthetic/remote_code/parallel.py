@@ -42,4 +42,4 @@ def all_gather_var_shape(tensor: torch.Tensor, group: Any) -> list[torch.Tensor]
         flat = torch.cat([flat, flat.new_zeros(largest - flat.numel())])
     received = [flat.new_empty(largest) for _ in range(world)]
     dist.all_gather(received, flat, group=group)
-    return [buf[:n].view(s) for buf, n, s in zip(received, numels, shapes_list)]
+    return [buf[:n].view(s) for buf, n, s in zip(received, numels, shapes_list, strict=True)]

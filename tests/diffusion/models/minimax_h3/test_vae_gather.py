@@ -1,0 +1,299 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""The address-stable tile gather in one process: ranks are threads, the collective is a recorder."""
+
+from __future__ import annotations
+
+import logging
+import math
+import types
+
+import pytest
+import torch
+
+from vllm_omni.diffusion.models.minimax_h3 import vae_gather
+from vllm_omni.diffusion.models.minimax_h3.vae_gather import (
+    REUSE_ENV,
+    get_tile_gather,
+    install_tile_gather_reuse,
+    remove_tile_gather_reuse,
+    workspace_bytes,
+)
+
+from .fake_collective import ThreadWorld, install_fake_collective
+from .stand_ins import (
+    TILE_SHAPE,
+    RecordingHandler,
+    StandInAdapter,
+    StandInCheckpoint,
+    gather_on_every_rank,
+    make_share,
+    oracle_gather,
+    ranks_with_gather,
+)
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion]
+
+
+@pytest.fixture
+def fake_collective(monkeypatch):
+    install_fake_collective(monkeypatch)
+
+
+@pytest.fixture
+def gather_log():
+    logger = logging.getLogger(vae_gather.__name__)
+    handler = RecordingHandler()
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(previous)
+
+
+def _payload_calls(world: ThreadWorld) -> list:
+    header_bytes = world.size * vae_gather._HEADER_BYTES
+    return [c for c in world.calls if c.nbytes > header_bytes]
+
+
+CASES = [(n, w) for n in (5, 8, 9, 28) for w in (2, 3, 4) if n >= w]
+
+
+@pytest.mark.parametrize("num_tiles,sp_size", CASES)
+def test_tiles_equal_the_contract_oracle_bit_for_bit_in_global_order(fake_collective, num_tiles, sp_size):
+    world = ThreadWorld(sp_size)
+    adapters = ranks_with_gather(world)
+    shares = [make_share(r, sp_size, num_tiles) for r in range(sp_size)]
+    expected = oracle_gather(shares, num_tiles)
+
+    for tiles in gather_on_every_rank(world, adapters, num_tiles):
+        assert len(tiles) == num_tiles
+        for got, want in zip(tiles, expected, strict=True):
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert torch.equal(got, want)
+    # The slot of every rank is as long as the largest share: the padded layout ran when shares differ.
+    tile_bytes = math.prod(TILE_SHAPE) * 4
+    payload = _payload_calls(world)[0].nbytes
+    assert payload == sp_size * math.ceil(num_tiles / sp_size) * tile_bytes
+    assert (payload > num_tiles * tile_bytes) == (num_tiles % sp_size != 0)
+
+
+def test_bfloat16_tiles_round_trip_bit_for_bit(fake_collective):
+    world = ThreadWorld(4)
+    adapters = ranks_with_gather(world)
+    shares = [make_share(r, 4, 9, dtype=torch.bfloat16) for r in range(4)]
+    for tiles in gather_on_every_rank(world, adapters, 9, dtype=torch.bfloat16):
+        assert all(
+            t.dtype == torch.bfloat16 and torch.equal(t, w)
+            for t, w in zip(tiles, oracle_gather(shares, 9), strict=True)
+        )
+
+
+def test_send_and_receive_stay_in_one_allocation_across_calls_and_smaller_geometries(fake_collective):
+    world = ThreadWorld(4)
+    adapters = ranks_with_gather(world)
+    for num_tiles in (28, 28, 9, 28, 5, 28):
+        gather_on_every_rank(world, adapters, num_tiles)
+
+    for rank in range(4):
+        calls = [c for c in world.calls if c.rank == rank]
+        assert len(calls) == 2 * 6  # one header and one payload all-gather per call
+        assert all(c.send_alloc == c.recv_alloc for c in calls)
+        assert {c.recv_alloc for c in calls} == {get_tile_gather(adapters[rank]).workspace.data_ptr}
+
+
+def test_workspace_grows_only_when_a_larger_geometry_arrives(fake_collective):
+    world = ThreadWorld(4)
+    adapters = ranks_with_gather(world)
+    gather = get_tile_gather(adapters[0])
+    sizes = []
+    for num_tiles in (8, 8, 5, 28, 9, 28, 8):
+        gather_on_every_rank(world, adapters, num_tiles)
+        sizes.append((gather.stats()["allocs"], gather.workspace.nbytes))
+
+    small, large = (workspace_bytes(4, n, TILE_SHAPE, torch.float32) for n in (8, 28))
+    assert sizes == [(1, small), (1, small), (1, small), (2, large), (2, large), (2, large), (2, large)]
+    stats = gather.stats()
+    assert stats["hits"] == 5 and stats["allocs"] == 2
+    assert stats["geometries"]["sp4/28x(3, 2, 4, 4)/torch.float32"] == 2
+
+
+def test_mixed_dtypes_share_one_workspace(fake_collective):
+    world = ThreadWorld(2)
+    adapters = ranks_with_gather(world)
+    gather_on_every_rank(world, adapters, 8, dtype=torch.float32)
+    gather_on_every_rank(world, adapters, 8, dtype=torch.bfloat16)
+    gather_on_every_rank(world, adapters, 8, dtype=torch.float16)
+    gather = get_tile_gather(adapters[1])
+    assert gather.stats()["allocs"] == 1 and gather.stats()["hits"] == 2
+    assert len({c.recv_alloc for c in world.calls if c.rank == 1}) == 1
+
+
+@pytest.mark.parametrize("num_tiles,sp_size", [(8, 4), (4, 4), (9, 4)])
+def test_returned_tiles_never_alias_the_workspace_and_survive_the_next_gather(fake_collective, num_tiles, sp_size):
+    world = ThreadWorld(sp_size)
+    adapters = ranks_with_gather(world)
+    first = gather_on_every_rank(world, adapters, num_tiles)
+    kept = [[t.clone() for t in tiles] for tiles in first]
+    gather_on_every_rank(world, adapters, num_tiles, salt=1)  # same geometry, other values
+    for rank, tiles in enumerate(first):
+        workspace = get_tile_gather(adapters[rank]).workspace.data_ptr
+        assert all(t.untyped_storage().data_ptr() != workspace for t in tiles)
+        assert all(torch.equal(t, k) for t, k in zip(tiles, kept[rank], strict=True))
+
+
+def test_single_rank_returns_copies_of_its_tiles_and_makes_no_collective(fake_collective):
+    adapter = StandInAdapter()
+    install_tile_gather_reuse(adapter, enabled=True)
+    tasks = make_share(0, 1, 3)
+    tiles = adapter.model._all_gather_tiled_results(tasks, 3)
+    assert all(torch.equal(t, s) and t.data_ptr() != s.data_ptr() for t, s in zip(tiles, tasks, strict=True))
+    assert get_tile_gather(adapter).workspace.nbytes == 0
+
+
+def test_backend_that_allocates_registered_memory_provides_the_workspace(monkeypatch):
+    # A stand-in backend (no XCCL here) that says it can hand out memory it registers once.
+    handed_out = []
+
+    class Backend:
+        def supports_tensor_alloc(self, device):
+            return device.type == "cpu"
+
+        def allocate_tensor(self, numel, *, dtype, device):
+            handed_out.append(torch.empty(numel, dtype=dtype, device=device))
+            return handed_out[-1]
+
+    class Group:
+        def _get_backend(self, device):
+            return Backend()
+
+    block = vae_gather.allocate_bytes(4096, torch.device("cpu"), Group())
+    assert block.data_ptr() == handed_out[0].data_ptr() and block.dtype == torch.uint8 and block.numel() == 4096
+    plain = vae_gather.allocate_bytes(4096, torch.device("cpu"), None)
+    assert plain.data_ptr() != handed_out[0].data_ptr() and len(handed_out) == 1
+
+
+# Gating
+
+
+@pytest.mark.parametrize(
+    "env,device,installed",
+    [
+        (None, "xpu", True),
+        (None, "cpu", False),
+        ("auto", "xpu", True),
+        ("auto", "cuda", False),
+        ("1", "cpu", True),
+        (" 1 ", "cuda", True),
+        ("0", "xpu", False),
+    ],
+)
+def test_env_mode_decides_where_the_override_is_installed(monkeypatch, env, device, installed):
+    if env is None:
+        monkeypatch.delenv(REUSE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(REUSE_ENV, env)
+    adapter = StandInAdapter(device)
+    assert install_tile_gather_reuse(adapter) is installed
+    assert (get_tile_gather(adapter) is not None) is installed
+    if not installed:  # the checkpoint's method is left untouched
+        assert "_all_gather_tiled_results" not in vars(adapter.model)
+
+
+@pytest.mark.parametrize("value", ["", "yes", "true", "2", "on", "xpu"])
+def test_bad_env_value_raises_naming_the_value(monkeypatch, value):
+    monkeypatch.setenv(REUSE_ENV, value)
+    with pytest.raises(ValueError, match=f"{REUSE_ENV}={value!r}.*'auto', '1' or '0'"):
+        install_tile_gather_reuse(StandInAdapter("xpu"))
+
+
+def test_explicit_enabled_overrides_the_env(monkeypatch):
+    monkeypatch.setenv(REUSE_ENV, "0")
+    assert install_tile_gather_reuse(StandInAdapter("cpu"), enabled=True)
+    monkeypatch.setenv(REUSE_ENV, "1")
+    assert not install_tile_gather_reuse(StandInAdapter("cpu"), enabled=False)
+
+
+def test_install_is_idempotent_and_binds_on_the_instance_only():
+    adapter, other = StandInAdapter(), StandInAdapter()
+    assert install_tile_gather_reuse(adapter, enabled=True)
+    gather = get_tile_gather(adapter)
+    assert install_tile_gather_reuse(adapter, enabled=True)
+    assert get_tile_gather(adapter) is gather
+    assert StandInCheckpoint.__dict__["_all_gather_tiled_results"] is not gather
+    assert isinstance(other.model._all_gather_tiled_results, types.MethodType)
+
+
+def test_removal_restores_the_checkpoint_method_exactly_and_drops_the_workspace(fake_collective):
+    world = ThreadWorld(2)
+    adapters = ranks_with_gather(world)
+    gather_on_every_rank(world, adapters, 4)
+    gather = get_tile_gather(adapters[0])
+    assert gather.workspace.nbytes > 0
+
+    assert remove_tile_gather_reuse(adapters[0])
+    assert gather.workspace.nbytes == 0
+    method = adapters[0].model._all_gather_tiled_results
+    assert method.__func__ is StandInCheckpoint._all_gather_tiled_results and method.__self__ is adapters[0].model
+    assert "_all_gather_tiled_results" not in vars(adapters[0].model)
+    assert not remove_tile_gather_reuse(adapters[0])
+
+
+def test_an_existing_instance_override_is_replaced_and_removal_restores_the_class_method():
+    adapter = StandInAdapter()
+    adapter.model._all_gather_tiled_results = lambda tasks, num_tiles: "upstream override"
+    assert install_tile_gather_reuse(adapter, enabled=True)
+    assert get_tile_gather(adapter).checkpoint_gather.__func__ is StandInCheckpoint._all_gather_tiled_results
+    remove_tile_gather_reuse(adapter)
+    assert adapter.model._all_gather_tiled_results([], 1) == ["checkpoint gather"]
+
+
+# Receipts
+
+
+def test_install_logs_one_info_line_with_device_and_mode(gather_log, monkeypatch):
+    monkeypatch.setenv(REUSE_ENV, "auto")
+    install_tile_gather_reuse(StandInAdapter("xpu"))
+    install_tile_gather_reuse(StandInAdapter("cpu"), enabled=True)
+    infos = gather_log.messages(logging.INFO)
+    assert len(infos) == 2
+    assert "device=xpu mode=auto" in infos[0] and "device=cpu mode=forced" in infos[1]
+
+
+def test_each_gather_logs_one_debug_line_with_its_quantities(fake_collective, gather_log):
+    world = ThreadWorld(2)
+    adapters = ranks_with_gather(world)
+    for num_tiles in (4, 4, 8):
+        gather_on_every_rank(world, adapters, num_tiles)
+    lines = gather_log.messages(logging.DEBUG)  # two ranks per call, calls in sequence
+    assert [line.split()[1] for line in lines] == ["reuse=alloc"] * 2 + ["reuse=hit"] * 2 + ["reuse=alloc"] * 2
+    need = workspace_bytes(2, 8, TILE_SHAPE, torch.float32)
+    assert all(
+        f"shape=(2, 4, 3, 2, 4, 4) dtype=torch.float32 need_bytes={need} workspace_bytes={need}" in line
+        for line in lines[4:]
+    )
+    assert all(line.endswith("hits=1 allocs=1") for line in lines[2:4])
+    assert all(line.endswith("hits=1 allocs=2") for line in lines[4:])
+    workspaces = {f"workspace_ptr=0x{get_tile_gather(a).workspace.data_ptr:x}" for a in adapters}
+    assert {next(w for w in workspaces if w in line) for line in lines[4:]} == workspaces
+
+
+def test_reserve_sizes_the_workspace_ahead_and_the_first_gather_is_a_hit(fake_collective):
+    world = ThreadWorld(4)
+    adapters = ranks_with_gather(world)
+    for adapter in adapters:
+        reserved = get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28)
+        assert reserved == workspace_bytes(4, 28, TILE_SHAPE, torch.float32)
+    gather_on_every_rank(world, adapters, 9)
+    gather_on_every_rank(world, adapters, 28)
+    assert get_tile_gather(adapters[2]).stats() | {"geometries": None, "workspace_ptr": None} == {
+        "hits": 2,
+        "allocs": 1,
+        "fallbacks": 0,
+        "workspace_bytes": reserved,
+        "workspace_ptr": None,
+        "geometries": None,
+    }
+    get_tile_gather(adapters[2]).release()
+    assert get_tile_gather(adapters[2]).workspace.nbytes == 0
