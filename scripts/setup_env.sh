@@ -26,25 +26,28 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
   exit 2
 fi
 
-# Everything that decides what is installed; the project itself is reinstalled when its sources change.
-stamp=$(cat requirements/*.txt setup.py pyproject.toml \
-  $(find vllm_omni minimax_h3_gather -name '*.py' -o -name '*.json' | LC_ALL=C sort) | sha256sum | cut -d' ' -f1)
-if [ -f "$venv/.setup-stamp" ] && [ "$(cat "$venv/.setup-stamp")" = "$stamp" ]; then
+# Stamps decide what to redo: the requirements (minutes), then the project itself (seconds).
+reqs_stamp=$(cat requirements/*.txt | sha256sum | cut -d' ' -f1)
+project_stamp=$(cat setup.py pyproject.toml README.md \
+  $(find vllm_omni minimax_h3_gather -name '*.py' | LC_ALL=C sort) | sha256sum | cut -d' ' -f1)
+stamp_of() { cat "$venv/.stamp-$1" 2>/dev/null || true; }
+if [ "$(stamp_of requirements)" = "$reqs_stamp" ] && [ "$(stamp_of project)" = "$project_stamp" ]; then
   exit 0
 fi
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip --disable-pip-version-check)
-echo "setup_env.sh: installing $reqs into $venv (a few minutes the first time)" >&2
-"${pip[@]}" install -q -r "$reqs" -r requirements/test.txt
-
-# PyPI's torchvision, torchaudio and torchcodec come in as dependencies of vllm/vllm-omni but are built
-# against the CUDA torch: beside torch+cpu they fail at import (missing torchvision::nms, _torchaudio.so,
-# libtorchcodec_image.so) and take vllm-omni's imports down with them. The MiniMax-H3 video VAE needs none.
-"${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+if [ "$(stamp_of requirements)" != "$reqs_stamp" ]; then
+  echo "setup_env.sh: installing $reqs into $venv (a few minutes the first time)" >&2
+  "${pip[@]}" install -q -r "$reqs" -r requirements/test.txt
+  # PyPI's torchvision, torchaudio and torchcodec come in as dependencies of vllm/vllm-omni but are built
+  # against the CUDA torch: beside torch+cpu they fail at import (missing torchvision::nms, _torchaudio.so,
+  # libtorchcodec_image.so) and take vllm-omni's imports down with them. The MiniMax-H3 video VAE needs none.
+  "${pip[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  echo "$reqs_stamp" > "$venv/.stamp-requirements"
+fi
 
 # Our modules land inside the installed vllm-omni package, and the plugin entry point is registered.
 "${pip[@]}" install -q --no-deps --force-reinstall .
-
-echo "$stamp" > "$venv/.setup-stamp"
+echo "$project_stamp" > "$venv/.stamp-project"
 echo "setup_env.sh: $venv ready" >&2

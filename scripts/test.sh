@@ -2,13 +2,17 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 #
-# Set up the CPU stacks and run every check: lint, the whole suite on vllm-omni 0.28.0, and the
-# integration tests again on vllm-omni 0.30.0. Extra arguments go to the first pytest run.
+# Set up the CPU stacks and run every check: lint, the whole suite on vllm-omni 0.28.0 (.venv), and
+# the integration tests again on vllm-omni 0.30.0 (.venv-omni-0.30). Extra arguments go to both pytest runs.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 bash scripts/setup_env.sh
+bash scripts/setup_env.sh omni-0.30
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+echo "== vllm-omni $(.venv/bin/python -c 'from importlib.metadata import version; print(version("vllm-omni"))'): all tests"
 .venv/bin/python -m pytest "$@"
+echo "== vllm-omni $(.venv-omni-0.30/bin/python -c 'from importlib.metadata import version; print(version("vllm-omni"))'): integration tests"
+.venv-omni-0.30/bin/python -m pytest -m integration "$@"

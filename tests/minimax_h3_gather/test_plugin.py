@@ -1,0 +1,120 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""The ``vllm_omni.general_plugins`` entry point, found from installed metadata and run by vLLM-Omni's loader.
+
+Loading plugins patches a class for the rest of the process, so each scenario runs in a fresh process.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.metadata import entry_points
+
+import pytest
+
+from minimax_h3_gather import plugin
+from minimax_h3_gather.synthetic import build_synthetic_checkpoint
+from tests.utils import results_or_raise, run_ranks
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.integration]
+
+
+def _load_plugins_and_build(rank: int, world: int, component: str, plugins: str | None) -> dict:
+    import os
+
+    from minimax_h3_gather import harness
+    from vllm_omni.diffusion.models.minimax_h3.vae import MiniMaxH3VideoVAE
+    from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV, get_tile_gather
+    from vllm_omni.plugins import load_omni_general_plugins
+
+    if plugins is None:
+        os.environ.pop("VLLM_PLUGINS", None)
+    else:
+        os.environ["VLLM_PLUGINS"] = plugins
+    os.environ.pop(REUSE_ENV, None)
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger(plugin.logger.name).addHandler(handler)
+
+    load_omni_general_plugins()
+    hooked = getattr(MiniMaxH3VideoVAE.__init__, "_minimax_h3_tile_gather_hook", False)
+    auto = harness.load_video_vae(component)
+    os.environ[REUSE_ENV] = "1"
+    forced = harness.load_video_vae(component)
+
+    # Loaded again, as vLLM-Omni may do in one process: still one hook, still one install per adapter.
+    import vllm_omni.plugins
+
+    vllm_omni.plugins.omni_plugins_loaded = False
+    load_omni_general_plugins()
+    plugin.register()
+    again = harness.load_video_vae(component)
+    return {
+        "hooked": hooked,
+        "wrapped_once": not hasattr(MiniMaxH3VideoVAE.__init__.__wrapped__, "__wrapped__"),
+        "auto_installed": get_tile_gather(auto) is not None,
+        "forced_installed": get_tile_gather(forced) is not None,
+        "again_installed": get_tile_gather(again) is not None,
+        "forced_untouched": "_all_gather_tiled_results" not in vars(forced.model),
+        "messages": [m for m in messages if "[H3_VAE_GATHER]" in m],
+    }
+
+
+@pytest.fixture(scope="module")
+def component(tmp_path_factory) -> str:
+    return str(build_synthetic_checkpoint(tmp_path_factory.mktemp("h3")))
+
+
+def test_entry_point_comes_from_the_installed_distribution_metadata():
+    (ep,) = [ep for ep in entry_points(group="vllm_omni.general_plugins") if ep.name == "minimax_h3_vae_gather"]
+    assert ep.value == "minimax_h3_gather.plugin:register"
+    assert ep.dist.name == "minimax-h3-vae-gather"
+    assert ep.load() is plugin.register
+
+
+def test_vllm_omni_loader_hooks_the_adapter_once_and_the_env_decides_the_install(component):
+    (report,) = results_or_raise(run_ranks(_load_plugins_and_build, 1, component, None, timeout_s=300), 1)
+    assert report["hooked"] and report["wrapped_once"]
+    assert not report["auto_installed"]  # auto mode: XPU only
+    assert report["forced_installed"] and report["again_installed"]
+    (line,) = report["messages"]
+    assert "hooked vllm_omni.diffusion.models.minimax_h3.vae.MiniMaxH3VideoVAE.__init__" in line
+    assert "(vllm-omni 0." in line
+
+
+def test_vllm_plugins_without_ours_leaves_the_adapter_untouched(component):
+    (report,) = results_or_raise(run_ranks(_load_plugins_and_build, 1, component, "some_other_plugin"), 1)
+    assert not report["hooked"]
+    assert not report["forced_installed"] and report["forced_untouched"]
+
+
+@pytest.mark.parametrize(
+    "replacement",
+    [
+        pytest.param(None, id="adapter-missing"),
+        pytest.param(type("MiniMaxH3VideoVAE", (), {"__init__": lambda self, component_path: None}), id="other-shape"),
+    ],
+)
+def test_unexpected_adapter_warns_once_and_patches_nothing(monkeypatch, replacement):
+    from vllm_omni.diffusion.models.minimax_h3 import vae
+
+    if replacement is None:
+        monkeypatch.delattr(vae, "MiniMaxH3VideoVAE")
+    else:
+        monkeypatch.setattr(vae, "MiniMaxH3VideoVAE", replacement)
+        original_init = replacement.__init__
+    monkeypatch.setattr(plugin, "_warned", False)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger(plugin.logger.name).addHandler(handler)
+    try:
+        plugin.register()
+        plugin.register()
+    finally:
+        logging.getLogger(plugin.logger.name).removeHandler(handler)
+    assert len(warnings) == 1 and "plugin patches nothing" in warnings[0]
+    if replacement is not None:
+        assert replacement.__init__ is original_init
+        assert "another shape" in warnings[0]
