@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Start real ``torch.distributed`` gloo ranks as spawned processes and collect what each reports."""
+"""Start real ``torch.distributed`` ranks (gloo on CPU) as spawned processes and collect what each reports."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_entry(fn, rank, world_size, port, pg_timeout_s, results, env, prepare, args) -> None:
+def _rank_entry(fn, rank, world_size, port, backend, pg_timeout_s, results, env, prepare, args) -> None:
     os.environ.update(env)
     import torch.distributed as dist
 
@@ -28,7 +28,7 @@ def _rank_entry(fn, rank, world_size, port, pg_timeout_s, results, env, prepare,
         if prepare is not None:
             prepare()
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -50,8 +50,9 @@ def run_ranks(
     pg_timeout_s: float = 60.0,
     env: dict[str, str] | None = None,
     prepare: Callable[[], None] | None = None,
+    backend: str = "gloo",
 ) -> dict[int, tuple[str, Any]]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks joined in one gloo group.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks joined in one process group.
 
     Returns ``{rank: ("ok", result) | ("error", traceback)}`` for the ranks that reported within
     ``timeout_s``; ranks still running then are killed and absent, so a hang shows as a missing rank.
@@ -64,7 +65,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(fn, rank, world_size, port, pg_timeout_s, results, dict(env or {}), prepare, args),
+            args=(fn, rank, world_size, port, backend, pg_timeout_s, results, dict(env or {}), prepare, args),
             daemon=True,
         )
         for rank in range(world_size)

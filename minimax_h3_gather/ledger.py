@@ -1,0 +1,197 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""A ledger of what ``torch.distributed`` collectives are handed, with a model of oneCCL's buffer registration.
+
+This is a model, not a measurement. On XPU, oneCCL registers the whole allocation behind every send and
+receive buffer it sees (Level Zero IPC handles, cached up to 1000 entries, LRU) and a registration can
+keep device memory from being freed. The ledger mimics that on any backend: the first time an allocation
+is handed to a collective it is registered and pinned (the ledger holds a reference, so the memory can
+never be freed and reused, as an open IPC handle keeps a peer's memory); an allocation seen again is a
+cache hit; past ``limit`` entries the least recently used one is released. Two things ProcessGroupXCCL
+does behind the caller's back are modelled too: a list-form ``all_gather`` receives into a new hidden
+flat buffer on every call, and ``barrier`` all-reduces a new 4-byte device tensor on every call. Whether
+oneCCL registers that 4-byte tensor is not known, so barrier temps are counted apart from registrations.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections import Counter, OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+ONECCL_CACHE_LIMIT = 1000
+BARRIER_TEMP_BYTES = 4
+COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+    "gather",
+    "barrier",
+)
+_SKIP_FILES = (str(Path(dist.__file__).parent), __file__)
+
+
+@dataclass
+class _Registration:
+    nbytes: int
+    site: str
+    side: str
+    keep_alive: Any  # the storage itself, or None for a hidden backend temp that only exists in the model
+
+
+@dataclass
+class RequestReport:
+    new_registrations: int
+    new_registered_bytes: int
+    pinned_bytes: int
+    registrations: int
+    evictions: int
+    barrier_temps: int
+    calls: int
+    new_by_site: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def _call_site() -> str:
+    """The first frame outside torch.distributed and this module: who handed the collective its buffers."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FILES):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"
+
+
+def _buffers(name: str, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Send tensors, receive tensors, and bytes of a hidden receive temp the backend makes (0 if none)."""
+
+    def arg(index: int, key: str) -> Any:
+        return args[index] if len(args) > index else kwargs.get(key)
+
+    if name == "all_gather":
+        outputs, tensor = arg(0, "tensor_list"), arg(1, "tensor")
+        return [tensor], [], sum(t.nbytes for t in outputs)
+    if name in ("all_gather_into_tensor", "all_gather_single"):
+        return [arg(1, "input_tensor")], [arg(0, "output_tensor")], 0
+    if name == "all_to_all_single":
+        return [arg(1, "input")], [arg(0, "output")], 0
+    if name in ("all_reduce", "broadcast"):
+        tensor = arg(0, "tensor")
+        return [tensor], [tensor], 0
+    if name == "gather":
+        return [arg(0, "tensor")], list(arg(1, "gather_list") or []), 0
+    return [], [], 0
+
+
+class CollectiveLedger:
+    """Context manager that sees every collective in the process; ``end_request()`` closes one request's books."""
+
+    def __init__(self, limit: int | None = ONECCL_CACHE_LIMIT) -> None:
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"limit={limit!r}: expected a positive int (oneCCL's default is 1000) or None")
+        self.limit = limit
+        self._registry: OrderedDict[Any, _Registration] = OrderedDict()
+        self._hidden_ids = itertools.count()
+        self._originals: dict[str, Any] = {}
+        self._depth = 0
+        self._reset_request()
+        self.requests: list[RequestReport] = []
+
+    def _reset_request(self) -> None:
+        self._new: Counter[tuple[str, str]] = Counter()
+        self._new_bytes = 0
+        self._evictions = 0
+        self._barriers = 0
+        self._calls = 0
+
+    def __enter__(self) -> CollectiveLedger:
+        if self._originals:
+            raise RuntimeError("CollectiveLedger is already active")
+        for name in COLLECTIVES:
+            self._originals[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self._originals[name]))
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+        self._originals.clear()
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if self._depth == 0:  # a collective implemented through another one is counted once
+                self._observe(name, args, kwargs)
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
+
+        collective.__wrapped__ = original
+        return collective
+
+    def _observe(self, name: str, args: tuple, kwargs: dict) -> None:
+        self._calls += 1
+        site = f"{name} @ {_call_site()}"
+        if name == "barrier":
+            self._barriers += 1
+            return
+        sends, recvs, hidden_bytes = _buffers(name, args, kwargs)
+        seen: dict[int, tuple[str, torch.UntypedStorage]] = {}
+        for side, tensors in (("send", sends), ("recv", recvs)):
+            for tensor in tensors:
+                storage = tensor.untyped_storage()
+                base = storage.data_ptr()
+                previous = seen.get(base)
+                seen[base] = (side if previous is None or previous[0] == side else "send+recv", storage)
+        for base, (side, storage) in seen.items():
+            self._register((str(storage.device), base), storage.nbytes(), site, side, storage)
+        if hidden_bytes:
+            self._register(("hidden", next(self._hidden_ids)), hidden_bytes, site, "recv (backend temp)", None)
+
+    def _register(self, key: Any, nbytes: int, site: str, side: str, keep_alive: Any) -> None:
+        if key in self._registry:
+            self._registry.move_to_end(key)
+            return
+        self._registry[key] = _Registration(nbytes, site, side, keep_alive)
+        self._new[(site, side)] += 1
+        self._new_bytes += nbytes
+        if self.limit is not None and len(self._registry) > self.limit:
+            self._registry.popitem(last=False)
+            self._evictions += 1
+
+    def pinned_bytes(self) -> int:
+        return sum(r.nbytes for r in self._registry.values())
+
+    def end_request(self) -> RequestReport:
+        by_site: dict[str, dict[str, int]] = defaultdict(dict)
+        for (site, side), count in sorted(self._new.items()):
+            by_site[site][side] = count
+        report = RequestReport(
+            new_registrations=sum(self._new.values()),
+            new_registered_bytes=self._new_bytes,
+            pinned_bytes=self.pinned_bytes(),
+            registrations=len(self._registry),
+            evictions=self._evictions,
+            barrier_temps=self._barriers,
+            calls=self._calls,
+            new_by_site=dict(by_site),
+        )
+        self.requests.append(report)
+        self._reset_request()
+        return report
+
+    def release(self) -> None:
+        """Drop every registration and what it pins."""
+        self._registry.clear()
