@@ -17,12 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vllm_omni.diffusion.models.minimax_h3.vae_gather import (
-    TileGatherWorkspace,
-    get_tile_gather,
-    install_tile_gather_reuse,
-)
-
+# vae_gather is imported where it is used, not here: the benchmark's ranks unpickle this module before
+# they set up their imports, and tests put the working tree's vae_gather first at that point.
 STRATEGIES = ("checkpoint", "recv-only", "ours")
 
 
@@ -30,6 +26,8 @@ class ReceiveOnlyTileGather:
     """Stable receive buffer, fresh send buffer: the stacked local share is a new allocation every call."""
 
     def __init__(self, parallel_state: Callable[[], dict[str, Any]]) -> None:
+        from vllm_omni.diffusion.models.minimax_h3.vae_gather import TileGatherWorkspace
+
         self._parallel_state = parallel_state
         self.workspace = TileGatherWorkspace()
 
@@ -51,6 +49,8 @@ class ReceiveOnlyTileGather:
 
 def install_strategy(adapter: Any, name: str) -> Any:
     """Install ``name`` on ``adapter``; returns the object whose ``stats()`` reports its workspace, or None."""
+    from vllm_omni.diffusion.models.minimax_h3.vae_gather import get_tile_gather, install_tile_gather_reuse
+
     if name == "checkpoint":
         return None
     if name == "recv-only":

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""The benchmark end to end on four gloo ranks (small settings), and its argument checks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import minimax_h3_vae_gather as bench
+from tests.utils import run_ranks
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bench, "run_ranks", run_ranks)  # ranks import the working tree's modules
+        argv = ["--requests", "3", "--latent-frames", "4", "--micro-reps", "3", "--output-dir", str(out)]
+        code = bench.main(argv + ["--cache-dir", str(tmp_path_factory.mktemp("h3"))])
+    return code, out, json.loads((out / "results.json").read_text())
+
+
+def test_exits_zero_and_writes_results_and_plot(run):
+    code, out, results = run
+    assert code == 0 and results["frames_identical"]
+    assert (out / "pinned_memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(results["strategies"]) == {"checkpoint", "recv-only", "ours"}
+    for data in results["strategies"].values():
+        assert len(data["requests"]) == 3
+        assert data["gather_ms_median"] > 0 and data["decode_ms_median"] > 0
+        for row in data["requests"]:
+            assert isinstance(row["new_registrations"], int) and isinstance(row["pinned_bytes"], int)
+            assert len(row["frames_sha256"]) == 64
+    assert results["gather_speedup_vs_checkpoint"] > 0
+
+
+def test_ours_registers_nothing_new_after_the_first_request_and_the_others_keep_growing(run):
+    _, _, results = run
+    strategies = results["strategies"]
+    ours = [r["new_registrations"] for r in strategies["ours"]["requests"]]
+    assert ours[0] == 1 and ours[1:] == [0, 0]
+    for name in ("checkpoint", "recv-only"):
+        rows = strategies[name]["requests"]
+        assert all(r["new_registrations"] > 0 for r in rows[1:])
+        assert [r["pinned_bytes"] for r in rows] == sorted({r["pinned_bytes"] for r in rows})
+    sends = [s for r in strategies["recv-only"]["requests"][1:] for by in r["new_by_site"].values() for s in by]
+    assert set(sends) == {"send"}  # receive side stable, send side fresh
+    assert strategies["ours"]["requests"][-1]["pinned_bytes"] == strategies["ours"]["requests"][-1]["workspace_bytes"]
+
+
+def test_summary_flags_frames_that_differ():
+    cfg = bench.Config("c", "cpu", 1, (1,), 1, None, ("checkpoint", "ours"))
+    row = {"frames_sha256": "a"}
+    rank = {
+        "requests": {"checkpoint": [row], "ours": [{"frames_sha256": "b"}]},
+        "gather_ms_median": {"checkpoint": 1.0, "ours": 1.0},
+        "decode_ms_median": {"checkpoint": 1.0, "ours": 1.0},
+        "micro_gather_ms_median": {"checkpoint": 2.0, "ours": 1.0},
+    }
+    summary = bench.summarize([rank], cfg)
+    assert not summary["frames_identical"] and summary["gather_speedup_vs_checkpoint"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--requests", "0"], "--requests=0"),
+        (["--strategies", "ours,nccl"], "--strategies='ours,nccl'"),
+        (["--strategies", "ours,ours"], "distinct"),
+        (["--device", "cuda"], "invalid choice"),
+        (["--ledger-limit", "-3"], "--ledger-limit=-3"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_value(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
