@@ -20,49 +20,13 @@ DTYPES = (torch.float32, torch.bfloat16)
 TILE_SHAPE = (3, 8, 16, 16)
 
 
-def _record_collectives(monkeypatch_targets, record):
-    """Wrap the named torch.distributed collectives to record the allocation of each send and receive tensor."""
-    import torch.distributed as dist
-
-    originals = {}
-    for name in monkeypatch_targets:
-        original = getattr(dist, name)
-        originals[name] = original
-
-        def wrapper(*args, _original=original, _name=name, **kwargs):
-            output, inp = args[0], args[1]
-            outputs = output if isinstance(output, list) else [output]
-            record.append(
-                (
-                    _name,
-                    tuple(t.untyped_storage().data_ptr() for t in outputs),
-                    inp.untyped_storage().data_ptr(),
-                    # Keep what the collective saw alive, as a registration would: freed memory cannot come back.
-                    (outputs, inp),
-                )
-            )
-            return _original(*args, **kwargs)
-
-        setattr(dist, name, wrapper)
-    return originals
-
-
 def _checks_on_one_rank(rank: int, world: int) -> dict:
-    from types import SimpleNamespace
 
-    import torch.distributed as dist
-
-    from minimax_h3_gather.synthetic.remote_code import klvae, parallel
-    from tests.diffusion.models.minimax_h3.stand_ins import make_share, make_tile
+    from tests.diffusion.models.minimax_h3.stand_ins import checkpoint_on_gloo_rank, make_share, make_tile
     from vllm_omni.diffusion.models.minimax_h3.vae_gather import get_tile_gather, install_tile_gather_reuse
 
-    checkpoint = klvae.AutoencoderKL(4, 8, 8, 4, 2, 64, 16, True)
-    parallel.get_parallel_state().update(
-        sp_size=world, sp_rank=rank, sp_process_group=dist.group.WORLD, sp_enabled=True
-    )
-    adapter = SimpleNamespace(
-        model=checkpoint, _device_target=torch.device("cpu"), _native_parallel_state=parallel.get_parallel_state
-    )
+    adapter = checkpoint_on_gloo_rank(rank, world)
+    checkpoint = adapter.model
     assert install_tile_gather_reuse(adapter, enabled=True)
     ours = checkpoint._all_gather_tiled_results
     checkpoints_own = get_tile_gather(adapter).checkpoint_gather
@@ -81,17 +45,14 @@ def _checks_on_one_rank(rank: int, world: int) -> dict:
                 torch.equal(g, make_tile(i, shape=TILE_SHAPE, dtype=dtype)) for i, g in enumerate(got)
             )
 
-    names = ("all_gather", "all_gather_single", "all_gather_into_tensor")
+    from minimax_h3_gather.ledger import CollectiveLedger
+
     for label, gather in (("ours", ours), ("checkpoint", checkpoints_own)):
-        record: list = []
-        originals = _record_collectives(names, record)
-        try:
+        with CollectiveLedger(limit=None) as ledger:  # pins what it sees: freed memory cannot come back
             for call in range(5):
                 gather(make_share(rank, world, 28, shape=TILE_SHAPE, salt=call), 28)
-        finally:
-            for name, original in originals.items():
-                setattr(dist, name, original)
-        report[label] = [(name, recv, send) for name, recv, send, _ in record]
+                ledger.end_request()
+        report[label] = [r.as_dict() for r in ledger.requests]
 
     try:
         ours([make_tile(rank, shape=TILE_SHAPE)], 3)
@@ -120,16 +81,17 @@ def test_every_rank_gets_the_checkpoints_tiles_bit_for_bit(reports, num_tiles, d
 def test_collective_sees_one_allocation_for_send_and_receive_over_five_calls(reports):
     for rank, report in enumerate(reports):
         calls = report["ours"]
-        assert len(calls) == 10 and {name for name, _, _ in calls} == {"all_gather_single"}
-        allocations = {recv for _, (recv,), _ in calls} | {send for _, _, send in calls}
-        assert len(allocations) == 1, f"rank {rank}: {allocations}"
+        assert [c["calls"] for c in calls] == [2] * 5  # header and payload
+        assert [list(c["new_by_site"].values()) for c in calls] == [[{"send+recv": 1}]] + [[]] * 4, f"rank {rank}"
+        assert calls[-1]["registrations"] == 1
 
 
 def test_checkpoint_gather_hands_the_collective_new_allocations_every_call(reports):
-    # The same recorder sees the leak's cause in the stock gather, so the previous test can fail.
+    # The same ledger sees the leak's cause in the stock gather, so the previous test can fail.
     for report in reports:
-        sends = [send for name, _, send in report["checkpoint"] if name == "all_gather"]
-        assert len(set(sends)) == len(sends) == 10
+        for call in report["checkpoint"]:
+            sides = [side for by_side in call["new_by_site"].values() for side in by_side]
+            assert call["new_registrations"] >= 2 and "send" in sides
 
 
 def test_too_few_tiles_raises_the_same_error_on_every_rank_and_leaves_the_group_usable(reports):
