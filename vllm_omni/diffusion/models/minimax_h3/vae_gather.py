@@ -74,7 +74,8 @@ def allocate_bytes(nbytes: int, device: torch.device, group: dist.ProcessGroup |
             backend = group._get_backend(device)
         except RuntimeError:
             backend = None
-    if backend is not None and backend.supports_tensor_alloc(device):
+    supports = getattr(backend, "supports_tensor_alloc", None)  # absent from older torch
+    if supports is not None and supports(device):
         return backend.allocate_tensor(nbytes, dtype=torch.uint8, device=device)
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
