@@ -98,7 +98,9 @@ def test_send_and_receive_stay_in_one_allocation_across_calls_and_smaller_geomet
 
     for rank in range(4):
         calls = [c for c in world.calls if c.rank == rank]
-        assert len(calls) == 2 * 6  # one header and one payload all-gather per call
+        # Headers and payload share one exchange when the share fits the slot the previous call agreed on;
+        # a first or larger geometry adds a second (28 after 9 or 5).
+        assert len(calls) == 2 + 1 + 1 + 2 + 1 + 2
         assert all(c.send_alloc == c.recv_alloc for c in calls)
         assert {c.recv_alloc for c in calls} == {get_tile_gather(adapters[rank]).workspace.data_ptr}
 

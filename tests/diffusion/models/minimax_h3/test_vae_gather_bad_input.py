@@ -197,10 +197,19 @@ def test_install_on_something_that_is_not_the_adapter_is_a_clear_error(adapter, 
         install_tile_gather_reuse(adapter, enabled=True)
 
 
-def test_a_collective_failing_mid_call_leaves_the_next_call_correct_and_the_workspace_intact():
-    world = ThreadWorld(4, fail_on_call=3)  # the second gather's payload exchange fails on every rank
+@pytest.mark.parametrize(
+    "first_num_tiles",
+    [
+        pytest.param(9, id="fails-in-the-one-exchange"),  # call 2 fits call 1's slot: its only exchange fails
+        pytest.param(5, id="fails-in-the-payload-exchange"),  # call 2 is larger: its second exchange fails
+    ],
+)
+def test_a_collective_failing_mid_call_leaves_the_next_call_correct_and_the_workspace_intact(first_num_tiles):
+    world = ThreadWorld(4, fail_on_call=2 if first_num_tiles == 9 else 3)
     adapters = ranks_with_gather(world)
-    gather_on_every_rank(world, adapters, 9)
+    gather_on_every_rank(world, adapters, first_num_tiles)
+    for adapter in adapters:
+        get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 9)
     before = [(get_tile_gather(a).workspace.data_ptr, get_tile_gather(a).stats()["allocs"]) for a in adapters]
     with pytest.raises(RuntimeError, match="injected collective failure"):
         gather_on_every_rank(world, adapters, 9, salt=1)

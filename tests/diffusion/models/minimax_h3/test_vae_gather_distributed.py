@@ -81,7 +81,8 @@ def test_every_rank_gets_the_checkpoints_tiles_bit_for_bit(reports, num_tiles, d
 def test_collective_sees_one_allocation_for_send_and_receive_over_five_calls(reports):
     for rank, report in enumerate(reports):
         calls = report["ours"]
-        assert [c["calls"] for c in calls] == [2] * 5  # header and payload
+        # After the first call, headers and payload of a repeated geometry travel in one exchange.
+        assert calls[0]["calls"] in (1, 2) and [c["calls"] for c in calls[1:]] == [1] * 4
         assert [list(c["new_by_site"].values()) for c in calls] == [[{"send+recv": 1}]] + [[]] * 4, f"rank {rank}"
         assert calls[-1]["registrations"] == 1
 

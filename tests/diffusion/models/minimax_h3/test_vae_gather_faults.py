@@ -30,12 +30,16 @@ CASES = (
 )
 
 
+def _num_tiles(case: str) -> int:
+    return {"num-tiles-below-sp-size": 3, "allocation-fails-on-one-rank": 28}.get(case, NUM_TILES)
+
+
 def _share_for(case: str, rank: int, world: int):
     import torch
 
     from tests.diffusion.models.minimax_h3.stand_ins import make_share, make_tile
 
-    share = make_share(rank, world, NUM_TILES, shape=SHAPE)
+    share = make_share(rank, world, _num_tiles(case), shape=SHAPE)
     if rank != 2:
         return share
     if case == "extra-tile":
@@ -77,16 +81,16 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
 
     for case in CASES:
         if case == "allocation-fails-on-one-rank" and rank == 2:
+            held = vae_gather.get_tile_gather(adapter).workspace.nbytes
 
-            def out_of_memory(nbytes, device, group):
-                if nbytes > world * vae_gather._HEADER_BYTES:
+            def out_of_memory(nbytes, device, group, held=held):  # growing fails; what was held fits again
+                if nbytes > held:
                     raise torch.OutOfMemoryError("injected: out of device memory")
                 return real_allocate(nbytes, device, group)
 
             vae_gather.allocate_bytes = out_of_memory
-            vae_gather.get_tile_gather(adapter).release()  # the next gather must allocate
         share = _share_for(case, rank, world)
-        num_tiles = 3 if case == "num-tiles-below-sp-size" else NUM_TILES
+        num_tiles = _num_tiles(case)
         start = time.monotonic()
         try:
             tiles = gather(share, num_tiles)

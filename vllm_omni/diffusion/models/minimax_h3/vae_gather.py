@@ -31,13 +31,14 @@ REUSE_ENV = "VLLM_OMNI_H3_VAE_GATHER_REUSE"
 _REUSE_MODES = ("auto", "1", "0")
 _GATHER_ATTR = "_all_gather_tiled_results"
 
-# Every rank publishes one fixed-size header before the payload moves, so a fact that only one rank
-# knows (its share length, tile shape, a failed allocation) becomes known to all of them and they
-# all take the same path.
+# Every rank's slot starts with a fixed-size header, so a fact that only one rank knows (its share
+# length, tile shape, a failed allocation) becomes known to all of them and they all take the same path.
 _HEADER_WORDS = 16
 _HEADER_BYTES = _HEADER_WORDS * 8
 _MAGIC = 0x48335447
-_MAX_TILE_DIMS = _HEADER_WORDS - 5
+_FIXED_WORDS = 8  # magic, status, count, dtype, ndim, num_tiles, payload bytes, payload included
+_MAX_TILE_DIMS = _HEADER_WORDS - _FIXED_WORDS
+_ALIGN = 128  # slots start aligned for any dtype view
 _DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 
@@ -60,10 +61,18 @@ def round_robin_count(num_tiles: int, sp_size: int, sp_rank: int) -> int:
     return len(range(sp_rank, num_tiles, sp_size))
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def payload_bytes(sp_size: int, num_tiles: int, tile_shape: Sequence[int], dtype: torch.dtype) -> int:
+    """One rank's slot payload: the largest share, padded to alignment."""
+    return _aligned(math.ceil(num_tiles / sp_size) * math.prod(tile_shape) * dtype.itemsize)
+
+
 def workspace_bytes(sp_size: int, num_tiles: int, tile_shape: Sequence[int], dtype: torch.dtype) -> int:
-    """Bytes a gather of this geometry needs: every rank's header, then every rank's padded slot."""
-    slot = math.ceil(num_tiles / sp_size) * math.prod(tile_shape) * dtype.itemsize
-    return sp_size * (_HEADER_BYTES + slot)
+    """Bytes a gather of this geometry needs: one header and one payload per rank."""
+    return sp_size * (_HEADER_BYTES + payload_bytes(sp_size, num_tiles, tile_shape, dtype))
 
 
 def allocate_bytes(nbytes: int, device: torch.device, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -148,13 +157,12 @@ class _Share:
     dtype: torch.dtype | None = None
     device: torch.device | None = None
 
-    @property
-    def tile_bytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize if self.status == _OK and self.count else 0
+    def payload_bytes(self, sp_size: int, num_tiles: int) -> int:
+        return payload_bytes(sp_size, num_tiles, self.shape, self.dtype) if self.status == _OK and self.count else 0
 
-    def header(self) -> list[int]:
-        words = [_MAGIC, self.status, self.count, _DTYPE_CODE.get(self.dtype, -1), len(self.shape)]
-        words += list(self.shape[:_MAX_TILE_DIMS])
+    def header(self, num_tiles: int, payload: int, included: bool) -> list[int]:
+        words = [_MAGIC, self.status, self.count, _DTYPE_CODE.get(self.dtype, -1), len(self.shape), num_tiles]
+        words += [payload, int(included), *self.shape[:_MAX_TILE_DIMS]]
         return words + [0] * (_HEADER_WORDS - len(words))
 
 
@@ -175,6 +183,8 @@ class _Plan:
     fallback_reason: str | None = None
     shape: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
+    payload: int = 0  # bytes of one rank's slot payload
+    delivered: bool = False  # every rank's payload already came with its header
 
 
 def _plan(headers: list[list[int]], num_tiles: int) -> _Plan:
@@ -182,6 +192,8 @@ def _plan(headers: list[list[int]], num_tiles: int) -> _Plan:
     sp_size = len(headers)
     if any(h[0] != _MAGIC for h in headers):
         raise RuntimeError("MiniMax-H3 tile gather: a peer is not running the same gather (bad header)")
+    if len({h[5] for h in headers}) > 1:
+        raise ValueError(f"MiniMax-H3 tile gather: ranks disagree on num_tiles {[h[5] for h in headers]}")
     wrong = [
         f"rank {r} holds {h[2]} tile(s), expected {round_robin_count(num_tiles, sp_size, r)}"
         for r, h in enumerate(headers)
@@ -207,10 +219,10 @@ def _plan(headers: list[list[int]], num_tiles: int) -> _Plan:
     if len(dtypes) > 1:
         names = [str(_DTYPES[h[3]]) for h in headers]
         raise ValueError(f"MiniMax-H3 tile gather: ranks hold tiles of different dtypes {names}; expected one dtype")
-    shapes = {tuple(h[5 : 5 + h[4]]) for h in headers}
+    shapes = {tuple(h[_FIXED_WORDS : _FIXED_WORDS + h[4]]) for h in headers}
     if len(shapes) > 1:
         return _Plan(f"ranks hold tiles of different shapes {sorted(shapes)}")
-    return _Plan(None, shapes.pop(), _DTYPES[dtypes.pop()])
+    return _Plan(None, shapes.pop(), _DTYPES[dtypes.pop()], headers[0][6], all(h[7] for h in headers))
 
 
 class StableTileGather:
@@ -235,6 +247,7 @@ class StableTileGather:
         self._parallel_state = parallel_state
         self._default_device = default_device
         self.workspace = TileGatherWorkspace()
+        self._agreed_payload = 0
         self._hits = 0
         self._fallbacks = 0
         self._geometries: Counter[str] = Counter()
@@ -252,52 +265,66 @@ class StableTileGather:
 
         share = _describe_share(tasks)
         device = share.device or self.workspace.device or torch.device(self._default_device)
-        need = workspace_bytes(par.size, num_tiles, share.shape, share.dtype) if share.tile_bytes else 0
-        need = max(need, par.size * _HEADER_BYTES)
+        payload = share.payload_bytes(par.size, num_tiles)
+        # The first exchange has slots of the size the last gather agreed on, the same on every rank; a
+        # share that fits rides along with its header, so a repeated geometry takes one collective.
+        offered = self._agreed_payload
+        slot = _HEADER_BYTES + offered
         try:
-            block, grew = self.workspace.ensure(need, device, par.group)
+            block, grew = self.workspace.ensure(par.size * (_HEADER_BYTES + max(offered, payload)), device, par.group)
         except torch.OutOfMemoryError:
-            share = _Share(_ALLOC_FAILED, share.count)
-            block, grew = self.workspace.ensure(par.size * _HEADER_BYTES, device, par.group)
+            share, payload = _Share(_ALLOC_FAILED, share.count), 0
+            block, grew = self.workspace.ensure(par.size * slot, device, par.group)
 
-        headers = block[: par.size * _HEADER_BYTES]
-        mine = headers.view(torch.int64).view(par.size, _HEADER_WORDS)[par.rank]
-        mine.copy_(torch.tensor(share.header(), dtype=torch.int64))
-        all_gather_in_place(headers, par.rank, par.group)
-        plan = _plan(headers.view(torch.int64).view(par.size, _HEADER_WORDS).tolist(), num_tiles)
+        included = share.status == _OK and payload <= offered
+        slots = block[: par.size * slot].view(par.size, slot)
+        header = torch.tensor(share.header(num_tiles, payload, included), dtype=torch.int64)
+        slots[par.rank, :_HEADER_BYTES].view(torch.int64).copy_(header)
+        if included:
+            self._copy_in(tasks, slots[par.rank, _HEADER_BYTES:], share)
+        all_gather_in_place(slots.view(-1), par.rank, par.group)
+        plan = _plan(slots[:, :_HEADER_BYTES].contiguous().view(torch.int64).tolist(), num_tiles)
 
         if plan.fallback_reason is not None:
             self._fallbacks += 1
             self._warn_once(plan.fallback_reason)
             return self.checkpoint_gather(tasks, num_tiles)
-        return self._gather(tasks, num_tiles, par, block, grew, plan)
+        collectives = 1
+        if plan.delivered:
+            payloads = slots[:, _HEADER_BYTES : _HEADER_BYTES + plan.payload]
+        else:
+            payloads = block[: par.size * plan.payload].view(par.size, plan.payload)
+            self._copy_in(tasks, payloads[par.rank], share)
+            if plan.payload:
+                all_gather_in_place(payloads.view(-1), par.rank, par.group)
+            collectives = 2
+        self._agreed_payload = plan.payload
+        self._record(grew, par, num_tiles, plan, block.numel(), collectives)
+        return self._copy_out(payloads, num_tiles, par.size, plan)
 
-    def _gather(
-        self,
-        tasks: list[torch.Tensor],
-        num_tiles: int,
-        par: _Parallel,
-        block: torch.Tensor,
-        grew: bool,
-        plan: _Plan,
-    ) -> list[torch.Tensor]:
-        max_tasks = math.ceil(num_tiles / par.size)
-        payload = block[par.size * _HEADER_BYTES :]
-        slots = payload.view(plan.dtype).view(par.size, max_tasks, *plan.shape)
-        for k, tile in enumerate(tasks):
-            slots[par.rank, k].copy_(tile)
-        if payload.numel():
-            all_gather_in_place(payload, par.rank, par.group)
-        self._record(grew, par, num_tiles, plan, block.numel())
+    @staticmethod
+    def _copy_in(tasks: list[torch.Tensor], slot: torch.Tensor, share: _Share) -> None:
+        """Stack this rank's share into its own slot: the collective's input is part of its output."""
+        if share.status != _OK or not share.count:
+            return
+        nbytes = share.count * math.prod(share.shape) * share.dtype.itemsize
+        if nbytes:
+            torch.stack(tasks, out=slot[:nbytes].view(share.dtype).view(share.count, *share.shape))
 
-        out = torch.empty((num_tiles, *plan.shape), dtype=plan.dtype, device=block.device)
-        full_rows, rest = divmod(num_tiles, par.size)
+    @staticmethod
+    def _copy_out(payloads: torch.Tensor, num_tiles: int, sp_size: int, plan: _Plan) -> list[torch.Tensor]:
+        """The one copy out of the workspace: every tile, in global order ``k * sp_size + rank``."""
+        max_tasks = math.ceil(num_tiles / sp_size)
+        tile_bytes = math.prod(plan.shape) * plan.dtype.itemsize
+        shares = payloads[:, : max_tasks * tile_bytes].view(plan.dtype).unflatten(1, (max_tasks, *plan.shape))
+        out = torch.empty((num_tiles, *plan.shape), dtype=plan.dtype, device=payloads.device)
+        full_rows, rest = divmod(num_tiles, sp_size)
         if full_rows:
-            out[: full_rows * par.size].view(full_rows, par.size, *plan.shape).copy_(
-                slots[:, :full_rows].transpose(0, 1)
+            out[: full_rows * sp_size].view(full_rows, sp_size, *plan.shape).copy_(
+                shares[:, :full_rows].transpose(0, 1)
             )
         if rest:
-            out[full_rows * par.size :].copy_(slots[:rest, full_rows])
+            out[full_rows * sp_size :].copy_(shares[:rest, full_rows])
         return list(out.unbind(0))
 
     def _gather_single_rank(self, tasks: list[torch.Tensor], num_tiles: int) -> list[torch.Tensor]:
@@ -334,18 +361,19 @@ class StableTileGather:
                 )
         return _Parallel(size, rank, group)
 
-    def _record(self, grew: bool, par: _Parallel, num_tiles: int, plan: _Plan, need: int) -> None:
+    def _record(self, grew: bool, par: _Parallel, num_tiles: int, plan: _Plan, need: int, collectives: int) -> None:
         self._hits += 0 if grew else 1
         self._geometries[f"sp{par.size}/{num_tiles}x{tuple(plan.shape)}/{plan.dtype}"] += 1
         logger.debug(
             "[H3_VAE_GATHER] reuse=%s shape=%s dtype=%s need_bytes=%d workspace_bytes=%d workspace_ptr=0x%x "
-            "hits=%d allocs=%d",
+            "collectives=%d hits=%d allocs=%d",
             "alloc" if grew else "hit",
             (par.size, math.ceil(num_tiles / par.size), *plan.shape),
             plan.dtype,
             need,
             self.workspace.nbytes,
             self.workspace.data_ptr,
+            collectives,
             self._hits,
             self.workspace.allocs,
         )
