@@ -194,7 +194,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
 
 def format_table(summary: dict[str, Any]) -> str:
     device_columns = "device" in summary["config"] and summary["config"]["device"] != "cpu"
-    header = ["request", "strategy", "new reg", "send", "recv", "send+recv", "pinned MiB", "workspace MiB"]
+    header = ["request", "strategy", "new reg", "send", "recv", "send+recv", "barriers", "pinned MiB", "workspace MiB"]
     header += ["gather ms", "decode ms", "frames"]
     if device_columns:
         header += ["non-PyTorch MiB", "growth MiB", "allocated MiB"]
@@ -206,6 +206,7 @@ def format_table(summary: dict[str, Any]) -> str:
                 for side, count in by_side.items():
                     sides[side.split(" ")[0]] += count
             line = [str(i), name, str(row["new_registrations"]), *(str(v) for v in sides.values())]
+            line.append(str(row["barrier_temps"]))
             line += [f"{row['pinned_bytes'] / MIB:.2f}", f"{row['workspace_bytes'] / MIB:.2f}"]
             line += [f"{row['gather_ms_median']:.2f}", f"{row['decode_ms']:.1f}", row["frames_sha256"][:12]]
             if device_columns:
