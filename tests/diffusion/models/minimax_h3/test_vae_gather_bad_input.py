@@ -238,3 +238,12 @@ def test_an_allocation_failure_falls_back_to_the_checkpoint_gather_on_every_rank
     shares = [make_share(r, 2, 4) for r in range(2)]
     for tiles in gather_on_every_rank(world, adapters, 4):  # the next request allocates and succeeds
         assert all(torch.equal(t, w) for t, w in zip(tiles, oracle_gather(shares, 4), strict=True))
+
+
+def test_tiles_that_require_grad_on_one_rank_gather_like_the_others():
+    world = ThreadWorld(4)
+    adapters = ranks_with_gather(world)
+    shares = [make_share(r, 4, 9) for r in range(4)]
+    shares[3] = [t.clone().requires_grad_() for t in shares[3]]
+    for tiles in _gather_each(world, adapters, shares, 9):
+        assert all(torch.equal(t, w) for t, w in zip(tiles, oracle_gather(shares, 9), strict=True))

@@ -231,10 +231,11 @@ class StableTileGather:
     Returns what the checkpoint's gather returns: ``num_tiles`` tensors in global tile order, none
     aliasing the workspace. Errors are symmetric: ``num_tiles < sp_size`` raises on every rank before
     any collective; a share whose length is not its round-robin count, a share mixing shapes, dtypes or
-    devices, or ranks holding different dtypes raise the same ``ValueError`` on every rank after the
-    header exchange. Ranks holding different tile shapes, tiles of more than 11 dimensions, or a
-    workspace allocation that failed on any rank send every rank to the checkpoint's own gather, with
-    one warning.
+    devices, ranks holding different dtypes or disagreeing on ``num_tiles`` raise the same ``ValueError``
+    on every rank once the headers are exchanged. Ranks holding different tile shapes, tiles of more than
+    8 dimensions, or a workspace allocation that failed on any rank send every rank to the checkpoint's
+    own gather, with one warning per reason. Only a rank that cannot allocate even the slots agreed by the
+    previous gather raises alone; its peers then wait for the process group's timeout.
     """
 
     def __init__(
@@ -253,6 +254,7 @@ class StableTileGather:
         self._geometries: Counter[str] = Counter()
         self._warned: set[str] = set()
 
+    @torch.no_grad()  # a tile that requires grad must not make one rank fail alone before the collective
     def __call__(self, tasks: list[torch.Tensor], num_tiles: int) -> list[torch.Tensor]:
         par = self._read_parallel()
         if isinstance(num_tiles, bool) or not isinstance(num_tiles, int) or num_tiles < par.size:
