@@ -16,6 +16,7 @@ memory before and after every request. A micro-benchmark then times the gathers 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -299,13 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         ledger_limit=args.ledger_limit or None,
         strategies=args.strategies,
     )
-    print(
-        f"[bench] {args.world_size} ranks, {devices.backend_for(args.device)}, {args.requests} requests",
-        file=sys.stderr,
-    )
-    reported = run_ranks(
-        _bench_rank, args.world_size, cfg, timeout_s=args.timeout, backend=devices.backend_for(args.device)
-    )
+    backend = devices.backend_for(args.device)
+    print(f"[bench] {args.world_size} ranks, {backend}, {args.requests} requests", file=sys.stderr)
+    # Each spawned rank needs the backend registered too (oneCCL's bindings register "ccl" on import).
+    prepare = functools.partial(devices.backend_for, args.device) if args.device != "cpu" else None
+    reported = run_ranks(_bench_rank, args.world_size, cfg, timeout_s=args.timeout, backend=backend, prepare=prepare)
     summary = summarize(results_or_raise(reported, args.world_size), cfg)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "results.json").write_text(json.dumps(summary, indent=2))

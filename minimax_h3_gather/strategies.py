@@ -52,6 +52,8 @@ def install_strategy(adapter: Any, name: str) -> Any:
     from vllm_omni.diffusion.models.minimax_h3.vae_gather import get_tile_gather, install_tile_gather_reuse
 
     if name == "checkpoint":
+        # vLLM-Omni 0.30.0 binds its own receive-side override on XPU; the stock gather is the class's method.
+        vars(adapter.model).pop("_all_gather_tiled_results", None)
         return None
     if name == "recv-only":
         gather = ReceiveOnlyTileGather(adapter._native_parallel_state)
