@@ -303,8 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     backend = devices.backend_for(args.device)
     print(f"[bench] {args.world_size} ranks, {backend}, {args.requests} requests", file=sys.stderr)
     # Each spawned rank needs the backend registered too (oneCCL's bindings register "ccl" on import).
-    prepare = functools.partial(devices.backend_for, args.device) if args.device != "cpu" else None
-    reported = run_ranks(_bench_rank, args.world_size, cfg, timeout_s=args.timeout, backend=backend, prepare=prepare)
+    on_device = {"prepare": functools.partial(devices.backend_for, args.device)} if args.device != "cpu" else {}
+    reported = run_ranks(_bench_rank, args.world_size, cfg, timeout_s=args.timeout, backend=backend, **on_device)
     summary = summarize(results_or_raise(reported, args.world_size), cfg)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "results.json").write_text(json.dumps(summary, indent=2))
