@@ -191,7 +191,3 @@ class CollectiveLedger:
         self.requests.append(report)
         self._reset_request()
         return report
-
-    def release(self) -> None:
-        """Drop every registration and what it pins."""
-        self._registry.clear()
