@@ -81,7 +81,7 @@ def allocate_bytes(nbytes: int, device: torch.device, group: dist.ProcessGroup |
     if group is not None and hasattr(group, "_get_backend"):
         try:
             backend = group._get_backend(device)
-        except RuntimeError:
+        except (RuntimeError, ValueError):  # no backend for this device type in the group
             backend = None
     supports = getattr(backend, "supports_tensor_alloc", None)  # absent from older torch
     if supports is not None and supports(device):
