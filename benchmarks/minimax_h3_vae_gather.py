@@ -64,16 +64,32 @@ class _TimedGather:
             self.seconds.append(time.perf_counter() - start)
 
 
-def _serve_requests(rank: int, world: int, cfg: Config, device) -> dict[str, Any]:
+def _rotated(strategies: tuple[str, ...], turn: int) -> tuple[str, ...]:
+    """Strategies in the order of this turn: each goes first in turn, so none always runs warm or cold."""
+    shift = turn % len(strategies)
+    return strategies[shift:] + strategies[:shift]
+
+
+def _adapters(world: int, cfg: Config, device) -> dict[str, tuple[Any, Any]]:
+    """One released adapter per strategy, with the strategy installed: ``{name: (vae, stats source)}``."""
     from minimax_h3_gather import harness
-    from minimax_h3_gather.ledger import CollectiveLedger
     from minimax_h3_gather.strategies import install_strategy
 
-    adapters, stats_of, timers, ledgers = {}, {}, {}, {}
+    adapters = {}
     for name in cfg.strategies:
         vae = harness.load_video_vae(cfg.component, device)
         vae.set_parallel_size(world)
-        stats_of[name] = install_strategy(vae, name)
+        adapters[name] = (vae, install_strategy(vae, name))
+    return adapters
+
+
+def _serve_requests(rank: int, world: int, cfg: Config, device) -> dict[str, Any]:
+    from minimax_h3_gather import harness
+    from minimax_h3_gather.ledger import CollectiveLedger
+
+    adapters, stats_of, timers, ledgers = {}, {}, {}, {}
+    for name, (vae, stats) in _adapters(world, cfg, device).items():
+        stats_of[name] = stats
         timers[name] = _TimedGather(vae.model._all_gather_tiled_results)
         vae.model._all_gather_tiled_results = timers[name]
         adapters[name] = vae
@@ -84,8 +100,7 @@ def _serve_requests(rank: int, world: int, cfg: Config, device) -> dict[str, Any
     decode_seconds: dict[str, list[float]] = {name: [] for name in cfg.strategies}
     with harness.empty_cache_stand_in():
         for request in range(cfg.requests):
-            shift = request % len(cfg.strategies)
-            for name in cfg.strategies[shift:] + cfg.strategies[:shift]:
+            for name in _rotated(cfg.strategies, request):
                 _progress(rank, f"request {request + 1}/{cfg.requests} strategy {name}")
                 before = devices.sample_memory(device)
                 first_gather = len(timers[name].seconds)
@@ -119,23 +134,16 @@ def _time_gathers(rank: int, world: int, cfg: Config, device) -> dict[str, float
     import torch
     import torch.distributed as dist
 
-    from minimax_h3_gather import harness
-    from minimax_h3_gather.strategies import install_strategy
-
-    gathers = {}
-    for name in cfg.strategies:
-        vae = harness.load_video_vae(cfg.component, device)
-        vae.set_parallel_size(world)
-        install_strategy(vae, name)
-        gathers[name] = vae.model._all_gather_tiled_results
-    tile_shape = (1, 3, 2 * vae.model.temporal_ratio, vae.model.tile_size, vae.model.tile_size)
+    adapters = _adapters(world, cfg, device)
+    gathers = {name: vae.model._all_gather_tiled_results for name, (vae, _) in adapters.items()}
+    checkpoint = next(iter(adapters.values()))[0].model
+    tile_shape = (1, 3, 2 * checkpoint.temporal_ratio, checkpoint.tile_size, checkpoint.tile_size)
     num_tiles = 28
     generator = torch.Generator().manual_seed(rank)
     tasks = [torch.randn(tile_shape, generator=generator).to(device) for _ in range(rank, num_tiles, world)]
     seconds: dict[str, list[float]] = {name: [] for name in cfg.strategies}
     for rep in range(cfg.micro_reps + 2):
-        shift = rep % len(cfg.strategies)
-        for name in cfg.strategies[shift:] + cfg.strategies[:shift]:
+        for name in _rotated(cfg.strategies, rep):
             dist.barrier()
             start = time.perf_counter()
             tiles = gathers[name](tasks, num_tiles)
@@ -170,12 +178,9 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
             "micro_gather_ms_median": lead["micro_gather_ms_median"][name],
         }
     digests = {
-        (rank, i, name, row["frames_sha256"])
-        for rank, result in enumerate(per_rank)
-        for name in cfg.strategies
-        for i, row in enumerate(result["requests"][name])
+        row["frames_sha256"] for result in per_rank for name in cfg.strategies for row in result["requests"][name]
     }
-    frames_identical = len({d[3] for d in digests}) == 1
+    frames_identical = len(digests) == 1
     micro = lead["micro_gather_ms_median"]
     summary = {
         "config": asdict(cfg),
@@ -194,7 +199,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
 
 
 def format_table(summary: dict[str, Any]) -> str:
-    device_columns = "device" in summary["config"] and summary["config"]["device"] != "cpu"
+    device_columns = summary["config"]["device"] != "cpu"
     header = ["request", "strategy", "new reg", "send", "recv", "send+recv", "barriers", "pinned MiB", "workspace MiB"]
     header += ["gather ms", "decode ms", "frames"]
     if device_columns:

@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 
 ONECCL_CACHE_LIMIT = 1000
-BARRIER_TEMP_BYTES = 4
 COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",
@@ -43,8 +42,6 @@ _SKIP_FILES = (str(Path(dist.__file__).parent), __file__)
 @dataclass
 class _Registration:
     nbytes: int
-    site: str
-    side: str
     keep_alive: Any  # the storage itself, or None for a hidden backend temp that only exists in the model
 
 
@@ -164,7 +161,7 @@ class CollectiveLedger:
         if key in self._registry:
             self._registry.move_to_end(key)
             return
-        self._registry[key] = _Registration(nbytes, site, side, keep_alive)
+        self._registry[key] = _Registration(nbytes, keep_alive)
         self._new[(site, side)] += 1
         self._new_bytes += nbytes
         if self.limit is not None and len(self._registry) > self.limit:

@@ -20,10 +20,9 @@ from vllm_omni.diffusion.models.minimax_h3.vae_gather import (
     workspace_bytes,
 )
 
-from .fake_collective import ThreadWorld, install_fake_collective
+from .fake_collective import ThreadWorld
 from .stand_ins import (
     TILE_SHAPE,
-    RecordingHandler,
     StandInAdapter,
     StandInCheckpoint,
     gather_on_every_rank,
@@ -33,23 +32,6 @@ from .stand_ins import (
 )
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion]
-
-
-@pytest.fixture
-def fake_collective(monkeypatch):
-    install_fake_collective(monkeypatch)
-
-
-@pytest.fixture
-def gather_log():
-    logger = logging.getLogger(vae_gather.__name__)
-    handler = RecordingHandler()
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    yield handler
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
 
 
 def _payload_calls(world: ThreadWorld) -> list:

@@ -16,10 +16,9 @@ import torch
 from vllm_omni.diffusion.models.minimax_h3 import vae_gather
 from vllm_omni.diffusion.models.minimax_h3.vae_gather import get_tile_gather, install_tile_gather_reuse
 
-from .fake_collective import ThreadWorld, install_fake_collective
+from .fake_collective import ThreadWorld
 from .stand_ins import (
     TILE_SHAPE,
-    RecordingHandler,
     StandInAdapter,
     gather_on_every_rank,
     make_share,
@@ -28,12 +27,12 @@ from .stand_ins import (
     ranks_with_gather,
 )
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion]
-
-
-@pytest.fixture(autouse=True)
-def fake_collective(monkeypatch):
-    install_fake_collective(monkeypatch)
+pytestmark = [
+    pytest.mark.core_model,
+    pytest.mark.cpu,
+    pytest.mark.diffusion,
+    pytest.mark.usefixtures("fake_collective"),
+]
 
 
 def _gather_each(world, adapters, shares, num_tiles):
@@ -102,20 +101,15 @@ def test_a_bad_share_on_one_rank_raises_the_same_error_on_every_rank(bad_rank_sh
         )
 
 
-def test_shapes_that_differ_across_ranks_send_every_rank_to_the_checkpoint_gather_with_one_warning():
+def test_shapes_that_differ_across_ranks_send_every_rank_to_the_checkpoint_gather_with_one_warning(gather_log):
     world = ThreadWorld(2)
     adapters = ranks_with_gather(world)
-    handler = RecordingHandler()
-    logging.getLogger(vae_gather.__name__).addHandler(handler)
-    try:
-        for _ in range(2):
-            shares = [make_share(0, 2, 4), make_share(1, 2, 4, shape=(3, 2, 4, 8))]
-            outcomes = _gather_each(world, adapters, shares, 4)
-    finally:
-        logging.getLogger(vae_gather.__name__).removeHandler(handler)
+    for _ in range(2):
+        shares = [make_share(0, 2, 4), make_share(1, 2, 4, shape=(3, 2, 4, 8))]
+        outcomes = _gather_each(world, adapters, shares, 4)
     assert outcomes == [["checkpoint gather"] * 4] * 2
     assert all(a.model.own_gather_calls == 2 and get_tile_gather(a).stats()["fallbacks"] == 2 for a in adapters)
-    warnings = handler.messages(logging.WARNING)
+    warnings = gather_log.messages(logging.WARNING)
     assert len(warnings) == 2 and all("different shapes" in w for w in warnings)  # one per rank, not per call
 
 
@@ -137,23 +131,18 @@ def test_zero_element_tiles_come_back_empty_without_a_payload_collective():
     assert len(world.calls) == 4  # the header exchange only
 
 
-def test_tiles_on_another_device_than_the_workspace_move_it_there_with_a_warning():
+def test_tiles_on_another_device_than_the_workspace_move_it_there_with_a_warning(gather_log):
     world = ThreadWorld(2)
     adapters = ranks_with_gather(world)
     for adapter in adapters:  # a workspace on another device ("meta" stands in for another card)
         get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 4, device="meta")
-    handler = RecordingHandler()
-    logging.getLogger(vae_gather.__name__).addHandler(handler)
-    try:
-        outcomes = gather_on_every_rank(world, adapters, 4)
-    finally:
-        logging.getLogger(vae_gather.__name__).removeHandler(handler)
+    outcomes = gather_on_every_rank(world, adapters, 4)
     shares = [make_share(r, 2, 4) for r in range(2)]
     for tiles in outcomes:
         assert all(torch.equal(t, w) for t, w in zip(tiles, oracle_gather(shares, 4), strict=True))
     assert all(get_tile_gather(a).workspace.device.type == "cpu" for a in adapters)
     assert all(get_tile_gather(a).stats()["allocs"] == 2 for a in adapters)
-    moved = [m for m in handler.messages(logging.WARNING) if "tiles moved from meta to cpu" in m]
+    moved = [m for m in gather_log.messages(logging.WARNING) if "tiles moved from meta to cpu" in m]
     assert len(moved) == 2
 
 

@@ -89,15 +89,19 @@ def allocate_bytes(nbytes: int, device: torch.device, group: dist.ProcessGroup |
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
+def all_gather_flat(output: torch.Tensor, inp: torch.Tensor, group: Any) -> None:
+    """Equal-size all-gather of flat tensors: ``all_gather_single`` where torch has it (gloo wants flat output)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, inp, group=group)
+
+
 def all_gather_in_place(output: torch.Tensor, rank: int, group: Any) -> None:
     """One all-gather whose input is this rank's slot of ``output``, as PyTorch FSDP2 does.
 
     Send and receive then lie in one allocation, so a stable ``output`` keeps both sides stable.
     """
-    world = group.size()
-    slot = output.numel() // world
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, output.narrow(0, rank * slot, slot), group=group)
+    slot = output.numel() // group.size()
+    all_gather_flat(output, output.narrow(0, rank * slot, slot), group)
 
 
 class TileGatherWorkspace:
@@ -498,6 +502,7 @@ __all__ = [
     "REUSE_ENV",
     "StableTileGather",
     "TileGatherWorkspace",
+    "all_gather_flat",
     "all_gather_in_place",
     "get_tile_gather",
     "install_tile_gather_reuse",
