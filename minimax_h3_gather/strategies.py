@@ -37,8 +37,8 @@ class ReceiveOnlyTileGather:
         max_tasks = math.ceil(num_tiles / world)
         send = tasks[0].new_zeros((max_tasks, *tasks[0].shape))
         torch.stack(tasks, out=send[: len(tasks)])
-        block, _ = self.workspace.ensure(world * send.nbytes, send.device, group)
-        received = block.view(send.dtype).view(world, *send.shape)
+        self.workspace.ensure(world * send.nbytes, send.device, group)
+        received = self.workspace.block[: world * send.nbytes].view(send.dtype).view(world, *send.shape)
         self._gather_flat(received.view(-1), send.view(-1), group)
         return [received[g % world, g // world].clone() for g in range(num_tiles)]
 
