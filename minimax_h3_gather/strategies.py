@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # vae_gather is imported where it is used, not here: the benchmark's ranks unpickle this module before
 # they set up their imports, and tests put the working tree's vae_gather first at that point.
@@ -25,9 +26,8 @@ class ReceiveOnlyTileGather:
     """Stable receive buffer, fresh send buffer: the stacked local share is a new allocation every call."""
 
     def __init__(self, parallel_state: Callable[[], dict[str, Any]]) -> None:
-        from vllm_omni.diffusion.models.minimax_h3.vae_gather import TileGatherWorkspace, all_gather_flat
+        from vllm_omni.diffusion.models.minimax_h3.vae_gather import TileGatherWorkspace
 
-        self._gather_flat = all_gather_flat
         self._parallel_state = parallel_state
         self.workspace = TileGatherWorkspace()
 
@@ -39,7 +39,7 @@ class ReceiveOnlyTileGather:
         torch.stack(tasks, out=send[: len(tasks)])
         self.workspace.ensure(world * send.nbytes, send.device, group)
         received = self.workspace.block[: world * send.nbytes].view(send.dtype).view(world, *send.shape)
-        self._gather_flat(received.view(-1), send.view(-1), group)
+        dist.all_gather_single(received.view(-1), send.view(-1), group=group)
         return [received[g % world, g // world].clone() for g in range(num_tiles)]
 
     def stats(self) -> dict[str, int]:

@@ -27,7 +27,7 @@ if ! "$python" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
 fi
 
 # Stamps decide what to redo: the requirements (minutes), then the project itself (seconds).
-reqs_stamp=$(cat requirements/*.txt | sha256sum | cut -d' ' -f1)
+reqs_stamp=$(cat "$reqs" requirements/common.txt requirements/bench.txt requirements/test.txt | sha256sum | cut -d' ' -f1)
 project_stamp=$(cat setup.py pyproject.toml README.md \
   $(find vllm_omni minimax_h3_gather -name '*.py' | LC_ALL=C sort) | sha256sum | cut -d' ' -f1)
 stamp_of() { cat "$venv/.stamp-$1" 2>/dev/null || true; }

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""A small MiniMax-H3 video VAE checkpoint, written on demand, that the released adapter loads as the real one.
+"""Small MiniMax-H3 checkpoints, written on demand, that the released vLLM-Omni loads as the real ones.
 
-The component directory holds ``config.json`` with ``auto_map.AutoModel``, the remote-code files that
-transformers' dynamic-module loader imports from it, and safetensors weights drawn from a fixed seed.
+``build_synthetic_checkpoint`` writes the video VAE component alone (config with ``auto_map.AutoModel``,
+the remote code transformers' dynamic-module loader imports, safetensors weights from a fixed seed);
+``pipeline.build_synthetic_pipeline`` writes the whole pipeline around one.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,10 +35,11 @@ MODEL_CONFIG = {
 }
 
 
-def _fingerprint() -> str:
-    digest = hashlib.sha256(json.dumps([MODEL_CONFIG, SEED]).encode())
-    for name in REMOTE_FILES:
-        digest.update((REMOTE_CODE / name).read_bytes())
+def fingerprint(*parts: object, files: tuple[Path, ...] = ()) -> str:
+    """A short digest of what a build writes: its settings and the source files it copies or runs."""
+    digest = hashlib.sha256(json.dumps([parts, SEED], default=str).encode())
+    for path in (*files, *(REMOTE_CODE / name for name in REMOTE_FILES)):
+        digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -47,35 +50,48 @@ def default_cache_dir() -> Path:
     return Path(value) if value else Path.home() / ".cache" / "minimax_h3_gather"
 
 
-def build_synthetic_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Write the component directory once per content fingerprint and return its path."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    component = root / _fingerprint() / "video_vae"
-    if (component / "config.json").is_file():
-        return component
-    from .remote_code.modeling_minimax_h3_vae import MiniMaxH3VideoVAEModel
+def build_once(target: Path, write: Callable[[Path], None], marker: str) -> Path:
+    """Run ``write`` into a staging directory and move it to ``target``, unless ``target/marker`` exists.
 
-    component.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=component.parent, prefix=".build-"))
+    Concurrent builders (ranks, test workers) race safely: the first rename wins, the others drop their copy.
+    """
+    if (target / marker).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".build-"))
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(SEED)
-            MiniMaxH3VideoVAEModel(**MODEL_CONFIG).save_pretrained(staging, safe_serialization=True)
-        config = json.loads((staging / "config.json").read_text())
-        channels = MODEL_CONFIG["latent_channels"]
-        config.update(
-            auto_map={"AutoModel": "modeling_minimax_h3_vae.MiniMaxH3VideoVAEModel"},
-            latents_mean=[0.1 * (c + 1) for c in range(channels)],
-            latents_std=[1.0 + 0.25 * c for c in range(channels)],
-        )
-        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        for name in REMOTE_FILES:
-            shutil.copyfile(REMOTE_CODE / name, staging / name)
+            write(staging)
         try:
-            staging.rename(component)
+            staging.rename(target)
         except OSError:
-            if not (component / "config.json").is_file():  # not a concurrent builder that won
+            if not (target / marker).is_file():  # not a concurrent builder that won
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return component
+    return target
+
+
+def write_video_vae(path: Path, model_config: dict) -> None:
+    """The video VAE component: config with ``auto_map`` and latent statistics, weights, and the remote code."""
+    from .remote_code.modeling_minimax_h3_vae import MiniMaxH3VideoVAEModel
+
+    MiniMaxH3VideoVAEModel(**model_config).save_pretrained(path, safe_serialization=True)
+    config = json.loads((path / "config.json").read_text())
+    channels = model_config["latent_channels"]
+    config.update(
+        auto_map={"AutoModel": "modeling_minimax_h3_vae.MiniMaxH3VideoVAEModel"},
+        latents_mean=[0.1 * (c + 1) for c in range(channels)],
+        latents_std=[1.0 + 0.25 * c for c in range(channels)],
+    )
+    (path / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    for name in REMOTE_FILES:
+        shutil.copyfile(REMOTE_CODE / name, path / name)
+
+
+def build_synthetic_checkpoint(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The video VAE component directory alone, written once per content fingerprint; returns its path."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / fingerprint(MODEL_CONFIG) / "video_vae"
+    return build_once(target, lambda path: write_video_vae(path, MODEL_CONFIG), "config.json")

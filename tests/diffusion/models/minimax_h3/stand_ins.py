@@ -13,8 +13,6 @@ from typing import Any
 
 import torch
 
-from vllm_omni.diffusion.models.minimax_h3.vae_gather import install_tile_gather_reuse
-
 from .fake_collective import ThreadWorld
 
 TILE_SHAPE = (3, 2, 4, 4)
@@ -43,6 +41,9 @@ class StandInAdapter:
 
 
 def ranks_with_gather(world: ThreadWorld) -> list[StandInAdapter]:
+    # Imported here: spawned gloo ranks import this module before they put the working tree's vae_gather first.
+    from vllm_omni.diffusion.models.minimax_h3.vae_gather import install_tile_gather_reuse
+
     adapters = []
     for rank in range(world.size):
         state = {"sp_size": world.size, "sp_rank": rank, "sp_process_group": world.group(rank), "sp_enabled": True}
@@ -66,6 +67,13 @@ def oracle_gather(shares: list[list[torch.Tensor]], num_tiles: int) -> list[torc
     """The contract, written out: global tile ``k * sp_size + r`` is rank r's k-th tile."""
     sp_size = len(shares)
     return [shares[g % sp_size][g // sp_size] for g in range(num_tiles)]
+
+
+def assert_tiles_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Same number of tiles, and each bit-identical (dtype and shape included) to the one expected."""
+    assert len(got) == len(want), f"{len(got)} tiles, expected {len(want)}"
+    for index, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.dtype == w.dtype and g.shape == w.shape and torch.equal(g, w), f"tile {index} differs"
 
 
 def gather_on_every_rank(world: ThreadWorld, adapters, num_tiles: int, **kwargs: Any) -> list[list[torch.Tensor]]:

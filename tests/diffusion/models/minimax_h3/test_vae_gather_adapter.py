@@ -129,7 +129,6 @@ def test_every_gather_of_every_request_went_through_one_workspace(reports):
         stats = report["stats"]
         assert stats["allocs"] == 1  # the largest geometry (28 tiles) comes first
         assert stats["hits"] + stats["allocs"] == REQUESTS * GATHERS_PER_REQUEST
-        assert stats["fallbacks"] == 0
         assert report["empty_cache_calls"] == 2 * REQUESTS * (len(LATENTS) + 1)
 
 
