@@ -29,7 +29,9 @@ fi
 # Stamps decide what to redo: the requirements (minutes), then the project itself (seconds).
 reqs_stamp=$(cat "$reqs" requirements/common.txt requirements/bench.txt requirements/test.txt | sha256sum | cut -d' ' -f1)
 project_stamp=$(cat setup.py pyproject.toml README.md \
-  $(find vllm_omni minimax_h3_gather -name '*.py' | LC_ALL=C sort) | sha256sum | cut -d' ' -f1)
+  $(find vllm_omni minimax_h3_gather tests/cpu_platform -not -path '*/build/*' \
+    \( -name '*.py' -o -name '*.toml' -o -name '*.pth' \) | LC_ALL=C sort) \
+  | sha256sum | cut -d' ' -f1)
 stamp_of() { cat "$venv/.stamp-$1" 2>/dev/null || true; }
 if [ "$(stamp_of requirements)" = "$reqs_stamp" ] && [ "$(stamp_of project)" = "$project_stamp" ]; then
   exit 0
@@ -49,5 +51,8 @@ fi
 
 # Our modules land inside the installed vllm-omni package, and the plugin entry point is registered.
 "${pip[@]}" install -q --no-deps --force-reinstall .
+# Test-only: the CPU platform for vLLM-Omni (tests/cpu_platform), which the product never installs. It stays
+# inert unless VLLM_OMNI_CPU_TEST_PLATFORM=1 on a machine without an accelerator.
+"${pip[@]}" install -q --no-deps --force-reinstall ./tests/cpu_platform
 echo "$project_stamp" > "$venv/.stamp-project"
 echo "setup_env.sh: $venv ready" >&2

@@ -57,6 +57,8 @@ SPECIAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_en
 # Request geometry that tiles into 2x2 decoder tiles of 64 px, so patch parallel 4 gathers every clip;
 # 96 frames at 24 fps is the 4 s minimum the pipeline accepts (it rounds up to 107 frames).
 REQUEST = {"height": 96, "width": 96, "num_frames": 96, "fps": 24, "num_inference_steps": 2, "aspect_ratio": "1:1"}
+# 107 frames are 32 latent frames (the pipeline's 17n+5 frames <-> 5n+2 latents), decoded in clips of 8.
+GATHERS_PER_REQUEST = 32 // VIDEO_VAE["vae_clip_length"]
 
 
 def build_synthetic_pipeline(cache_dir: str | os.PathLike | None = None) -> Path:

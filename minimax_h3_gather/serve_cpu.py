@@ -1,0 +1,199 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""``vllm-omni serve`` on CPU ranks with the synthetic MiniMax-H3 pipeline, and an HTTP client for it.
+
+CPU ranks need the test-only vLLM-Omni platform in ``tests/cpu_platform`` (``scripts/setup_env.sh`` installs
+it into the CPU venvs; the product never does). Run as a script, it serves the tiny checkpoint, sends one
+text-to-video+audio request and prints where the gather fix was applied:
+
+    python -m minimax_h3_gather.serve_cpu --output-dir out/serve_cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+WORLD = 4
+SERVE_FLAGS = (
+    "--omni",
+    "--trust-remote-code",
+    f"--tensor-parallel-size={WORLD}",
+    f"--vae-patch-parallel-size={WORLD}",
+    "--vae-parallel-mode=tile",
+    "--vae-use-tiling",
+    "--enable-cpu-offload",
+)
+RECEIPTS = {
+    "plugin_hooks": r"\[H3_VAE_GATHER\] plugin hooked ",
+    "installs": r"\[H3_VAE_GATHER\] tile gather reuse installed ",
+    "gathers": r"\[H3_VAE_GATHER\] reuse=(?:alloc|hit) ",
+    "workspace_allocs": r"\[H3_VAE_GATHER\] reuse=alloc ",
+    "empty_cache": r"\[CPU_TEST_PLATFORM\] empty_cache #",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Server:
+    process: subprocess.Popen
+    port: int
+    log_path: Path
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def _command(model: Path, port: int) -> list[str]:
+    executable = Path(sys.executable).with_name("vllm-omni")
+    return [str(executable), "serve", str(model), "--host=127.0.0.1", f"--port={port}", *SERVE_FLAGS]
+
+
+@contextlib.contextmanager
+def serve(model: Path, log_path: Path, *, reuse: str, startup_s: float = 600) -> Iterator[Server]:
+    """Start the server in its own session, wait for ``/health``, and on exit stop it and every child.
+
+    Raises if it does not become healthy, or if a process of its session outlives the stop by 60 s.
+    """
+    import requests
+
+    port = free_port()
+    env = os.environ | {
+        "VLLM_OMNI_CPU_TEST_PLATFORM": "1",
+        "VLLM_OMNI_H3_VAE_GATHER_REUSE": reuse,
+        "VLLM_LOGGING_LEVEL": "DEBUG",  # the gather's per-call receipts
+        "OMP_NUM_THREADS": "1",  # four ranks share two cores
+    }
+    log_file = log_path.open("w")
+    process = subprocess.Popen(
+        _command(model, port), env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    server = Server(process, port, log_path)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"vllm-omni serve exited with {process.returncode}:\n{server.log()[-4000:]}")
+            with contextlib.suppress(requests.ConnectionError):
+                if requests.get(server.url("/health"), timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vllm-omni serve not healthy after {startup_s} s:\n{server.log()[-4000:]}")
+            time.sleep(2)
+        yield server
+    finally:
+        stop(server)
+        log_file.close()
+
+
+def stop(server: Server, grace_s: float = 60) -> None:
+    """SIGTERM the server, as an operator's Ctrl-C would; kill what is left of its session after ``grace_s``."""
+    group = server.process.pid  # the session leader's pid is the group id
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            server.process.wait()
+            return
+        server.process.poll()
+        time.sleep(0.5)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(group, signal.SIGKILL)
+    raise RuntimeError(f"processes of vllm-omni serve (group {group}) were still running {grace_s} s after SIGTERM")
+
+
+def request_video(server: Server, prompt: str, seed: int, **params) -> bytes:
+    """One synchronous text-to-video+audio request; returns the MP4 (video and audio muxed)."""
+    import requests
+
+    from .synthetic.pipeline import REQUEST
+
+    fields = {"prompt": prompt, "seed": seed, **REQUEST, **params}
+    response = requests.post(
+        server.url("/v1/videos/sync"), files={k: (None, str(v)) for k, v in fields.items()}, timeout=600
+    )
+    if response.status_code != 200:
+        raise RuntimeError(f"POST /v1/videos/sync -> {response.status_code}: {response.text[:2000]}")
+    return response.content
+
+
+@dataclass(frozen=True)
+class Media:
+    width: int
+    height: int
+    frames: int
+    audio_channels: int
+    audio_sample_rate: int
+
+
+def media_info(mp4: bytes) -> Media:
+    import av
+
+    with av.open(io.BytesIO(mp4)) as container:
+        video = container.streams.video[0]
+        audio = container.streams.audio[0]
+        frames = sum(1 for _ in container.decode(video=0))
+        return Media(video.codec_context.width, video.codec_context.height, frames, audio.channels, audio.rate)
+
+
+def receipts(log: str) -> Counter[str]:
+    """How often each receipt of the fix (and of the platform's ``empty_cache``) appears in a server log."""
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    return Counter({name: len(re.findall(pattern, plain)) for name, pattern in RECEIPTS.items()})
+
+
+def receipt_lines(log: str) -> list[str]:
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    return [line for line in plain.splitlines() if "[H3_VAE_GATHER]" in line]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--output-dir", type=Path, default=Path("out/serve_cpu"))
+    parser.add_argument("--prompt", default="a red fox running through fresh snow")
+    args = parser.parse_args(argv)
+    from .synthetic.pipeline import build_synthetic_pipeline
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    model = build_synthetic_pipeline()
+    print(f"[serve_cpu] serving {model} on {WORLD} CPU ranks (takes about a minute to start)", file=sys.stderr)
+    with serve(model, args.output_dir / "server.log", reuse="1") as server:
+        mp4 = request_video(server, args.prompt, seed=0)
+    (args.output_dir / "t2va.mp4").write_bytes(mp4)
+    log = (args.output_dir / "server.log").read_text(errors="replace")
+    counts = receipts(log)
+    lines = receipt_lines(log)
+    print("where the fix was applied (from the server log):")
+    for kind in ("plugin hooked", "reuse installed", "reuse=alloc"):
+        print(*(f"  {line}" for line in lines if kind in line), sep="\n")
+    gathers, allocs = counts["gathers"], counts["workspace_allocs"]
+    print(f"  ... {gathers} tile gathers served by the reused workspace in all, {allocs} workspace allocation(s)")
+    print(f"video: {media_info(mp4)} -> {args.output_dir / 't2va.mp4'}")
+    return 0 if counts["installs"] == WORLD and counts["gathers"] > 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""``vllm-omni serve`` on four CPU ranks, the whole MiniMax-H3 pipeline, with the gather fix on and off.
+
+The server is the released vLLM-Omni's own, started as a subprocess; CPU ranks come from the test-only
+platform in tests/cpu_platform (gloo, SDPA, a counted ``empty_cache``). Each run sends the same three
+text-to-video+audio requests over HTTP; the fix must be installed in every worker, serve every VAE tile
+gather, and leave the returned media byte-identical to the run with the fix off.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from minimax_h3_gather import serve_cpu
+from minimax_h3_gather.synthetic.pipeline import GATHERS_PER_REQUEST, REQUEST, build_synthetic_pipeline
+
+pytestmark = [
+    pytest.mark.advanced_model,
+    pytest.mark.cpu,
+    pytest.mark.diffusion,
+    pytest.mark.distributed,
+    pytest.mark.integration,
+]
+
+PROMPTS = ("a red fox running through fresh snow", "waves breaking on a rocky shore", "a paper boat in the rain")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_synthetic_pipeline(tmp_path_factory.mktemp("h3"))
+
+
+def _serve_three_requests(model, log_path, reuse: str) -> dict:
+    with serve_cpu.serve(model, log_path, reuse=reuse) as server:
+        media = [serve_cpu.request_video(server, prompt, seed=seed) for seed, prompt in enumerate(PROMPTS)]
+    return {"media": media, "log": log_path.read_text(errors="replace"), "returncode": server.process.returncode}
+
+
+@pytest.fixture(scope="module")
+def fix_on(model, tmp_path_factory):
+    return _serve_three_requests(model, tmp_path_factory.mktemp("serve") / "fix_on.log", "1")
+
+
+@pytest.fixture(scope="module")
+def fix_off(model, tmp_path_factory):
+    return _serve_three_requests(model, tmp_path_factory.mktemp("serve") / "fix_off.log", "0")
+
+
+def test_every_request_returns_video_and_audio_of_the_requested_size(fix_on):
+    for mp4 in fix_on["media"]:
+        media = serve_cpu.media_info(mp4)
+        assert (media.width, media.height) == (REQUEST["width"], REQUEST["height"])
+        assert media.frames >= REQUEST["num_frames"]
+        assert (media.audio_channels, media.audio_sample_rate) == (2, 32000)
+    assert len(set(fix_on["media"])) == len(PROMPTS)  # three prompts, three videos
+
+
+def test_every_worker_hooked_and_installed_the_fix_once(fix_on):
+    counts = serve_cpu.receipts(fix_on["log"])
+    # The API server process loads the general plugins too, so the hook logs once more than the workers.
+    assert counts["plugin_hooks"] == serve_cpu.WORLD + 1, serve_cpu.receipt_lines(fix_on["log"])
+    assert counts["installs"] == serve_cpu.WORLD
+
+
+def test_the_reused_workspace_served_every_vae_gather_of_every_request(fix_on):
+    counts = serve_cpu.receipts(fix_on["log"])
+    assert counts["gathers"] == serve_cpu.WORLD * len(PROMPTS) * GATHERS_PER_REQUEST
+    assert counts["workspace_allocs"] == serve_cpu.WORLD  # one per worker, for the life of the server
+
+
+def test_media_are_byte_identical_with_the_fix_off(fix_on, fix_off):
+    assert fix_on["media"] == fix_off["media"]
+    counts = serve_cpu.receipts(fix_off["log"])
+    assert counts["plugin_hooks"] == serve_cpu.WORLD + 1 and counts["installs"] == 0 and counts["gathers"] == 0
+
+
+def test_the_server_shuts_down_cleanly_on_sigterm(fix_on, fix_off):
+    # serve() raises if any process of the server's session outlives SIGTERM by 60 s.
+    assert fix_on["returncode"] is not None and fix_off["returncode"] is not None
+    assert "Traceback" not in fix_on["log"] and "Traceback" not in fix_off["log"]
