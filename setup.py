@@ -35,6 +35,7 @@ setup(
     entry_points={
         "vllm_omni.general_plugins": [
             "minimax_h3_vae_gather = minimax_h3_gather.plugin:register",
+            "minimax_h3_census = minimax_h3_gather.census:register",
         ],
     },
 )

@@ -15,11 +15,14 @@ oneCCL registers that 4-byte tensor is not known, so barrier temps are counted a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import sys
 from collections import Counter, OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -35,6 +38,11 @@ COLLECTIVES = (
     "broadcast",
     "gather",
     "barrier",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
 )
 _SKIP_FILES = (str(Path(dist.__file__).parent), __file__)
 
@@ -43,6 +51,21 @@ _SKIP_FILES = (str(Path(dist.__file__).parent), __file__)
 class _Registration:
     nbytes: int
     keep_alive: Any  # the storage itself, or None for a hidden backend temp that only exists in the model
+    window: int = 0  # the release window it was first seen in
+
+
+@dataclass
+class SiteBooks:
+    """One call site's collectives in one request: what moved and how many buffers were new to the backend."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    fresh_buffers: int = 0  # first handed to a collective in this request: a new registration
+    fresh_bytes: int = 0
+    persistent_buffers: int = 0  # handed to a collective before the last release (empty_cache) and still the same
+    reused_buffers: int = 0  # handed to a collective earlier in the same window
+    shapes: list[str] = field(default_factory=list)  # distinct "dtype[shape]" of the tensors handed over
 
 
 @dataclass
@@ -55,16 +78,23 @@ class RequestReport:
     barrier_temps: int
     calls: int
     new_by_site: dict[str, dict[str, int]] = field(default_factory=dict)
+    releases: int = 0  # release marks (empty_cache where an accelerator run would call it) in this request
+    timeline: list[str] = field(default_factory=list)  # components in call order, "release" between windows
+    books: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # component -> site -> SiteBooks
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
 
 
-def _call_site() -> str:
+def _caller() -> FrameType | None:
     """The first frame outside torch.distributed and this module: who handed the collective its buffers."""
     frame = sys._getframe(2)
     while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FILES):
         frame = frame.f_back
+    return frame
+
+
+def _site_of(frame: FrameType | None) -> str:
     if frame is None:
         return "<unknown>"
     return f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"
@@ -88,16 +118,29 @@ def _buffers(name: str, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], 
         return [tensor], [tensor], 0
     if name == "gather":
         return [arg(0, "tensor")], list(arg(1, "gather_list") or []), 0
+    if name in ("send", "isend"):
+        return [arg(0, "tensor")], [], 0
+    if name in ("recv", "irecv"):
+        return [], [arg(0, "tensor")], 0
+    if name == "batch_isend_irecv":
+        ops = list(arg(0, "p2p_op_list") or [])
+        sends = [op.tensor for op in ops if getattr(op.op, "__name__", "") in ("isend", "send")]
+        return sends, [op.tensor for op in ops if all(op.tensor is not t for t in sends)], 0
     return [], [], 0
 
 
 class CollectiveLedger:
     """Context manager that sees every collective in the process; ``end_request()`` closes one request's books."""
 
-    def __init__(self, limit: int | None = ONECCL_CACHE_LIMIT) -> None:
+    def __init__(
+        self, limit: int | None = ONECCL_CACHE_LIMIT, classify: Callable[[FrameType | None], str] | None = None
+    ) -> None:
+        """``classify`` names the component of a collective from its caller's frame (default: one component)."""
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"limit={limit!r}: expected a positive int (oneCCL's default is 1000) or None")
         self.limit = limit
+        self._classify = classify or (lambda frame: "all")
+        self._window = 0
         self._registry: OrderedDict[Any, _Registration] = OrderedDict()
         self._hidden_ids = itertools.count()
         self._originals: dict[str, Any] = {}
@@ -111,6 +154,13 @@ class CollectiveLedger:
         self._evictions = 0
         self._barriers = 0
         self._calls = 0
+        self._releases = 0
+        self._timeline: list[str] = []
+        self._books: dict[str, dict[str, SiteBooks]] = defaultdict(lambda: defaultdict(SiteBooks))
+
+    @property
+    def active(self) -> bool:
+        return bool(self._originals)
 
     def __enter__(self) -> CollectiveLedger:
         if self._originals:
@@ -135,16 +185,35 @@ class CollectiveLedger:
             finally:
                 self._depth -= 1
 
-        collective.__wrapped__ = original
+        functools.update_wrapper(collective, original)  # keeps __name__: P2POp.op is read by name
         return collective
+
+    def mark_release(self) -> None:
+        """Where an accelerator run would release cached memory: buffers seen before now count as survivors."""
+        self._window += 1
+        self._releases += 1
+        if self._timeline[-1:] != ["release"]:
+            self._timeline.append("release")
 
     def _observe(self, name: str, args: tuple, kwargs: dict) -> None:
         self._calls += 1
-        site = f"{name} @ {_call_site()}"
+        frame = _caller()
+        site = f"{name} @ {_site_of(frame)}"
+        component = self._classify(frame)
+        if self._timeline[-1:] != [component]:
+            self._timeline.append(component)
+        books = self._books[component][site]
+        books.calls += 1
         if name == "barrier":
             self._barriers += 1
             return
         sends, recvs, hidden_bytes = _buffers(name, args, kwargs)
+        books.bytes_sent += sum(t.nbytes for t in sends)
+        books.bytes_received += sum(t.nbytes for t in recvs) + hidden_bytes
+        for tensor in sends[:1] + recvs[:1]:
+            kind = f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
+            if kind not in books.shapes:
+                books.shapes.append(kind)
         seen: dict[int, tuple[str, torch.UntypedStorage]] = {}
         for side, tensors in (("send", sends), ("recv", recvs)):
             for tensor in tensors:
@@ -153,15 +222,22 @@ class CollectiveLedger:
                 previous = seen.get(base)
                 seen[base] = (side if previous is None or previous[0] == side else "send+recv", storage)
         for base, (side, storage) in seen.items():
-            self._register((str(storage.device), base), storage.nbytes(), site, side, storage)
+            self._register((str(storage.device), base), storage.nbytes(), site, side, storage, books)
         if hidden_bytes:
-            self._register(("hidden", next(self._hidden_ids)), hidden_bytes, site, "recv (backend temp)", None)
+            key = ("hidden", next(self._hidden_ids))
+            self._register(key, hidden_bytes, site, "recv (backend temp)", None, books)
 
-    def _register(self, key: Any, nbytes: int, site: str, side: str, keep_alive: Any) -> None:
+    def _register(self, key: Any, nbytes: int, site: str, side: str, keep_alive: Any, books: SiteBooks) -> None:
         if key in self._registry:
             self._registry.move_to_end(key)
+            if self._registry[key].window < self._window:
+                books.persistent_buffers += 1
+            else:
+                books.reused_buffers += 1
             return
-        self._registry[key] = _Registration(nbytes, keep_alive)
+        books.fresh_buffers += 1
+        books.fresh_bytes += nbytes
+        self._registry[key] = _Registration(nbytes, keep_alive, self._window)
         self._new[(site, side)] += 1
         self._new_bytes += nbytes
         if self.limit is not None and len(self._registry) > self.limit:
@@ -184,6 +260,9 @@ class CollectiveLedger:
             barrier_temps=self._barriers,
             calls=self._calls,
             new_by_site=dict(by_site),
+            releases=self._releases,
+            timeline=list(self._timeline),
+            books={c: {site: asdict(b) for site, b in sites.items()} for c, sites in self._books.items()},
         )
         self.requests.append(report)
         self._reset_request()

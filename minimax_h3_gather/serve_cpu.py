@@ -64,13 +64,16 @@ class Server:
         return self.log_path.read_text(errors="replace")
 
 
-def _command(model: Path, port: int) -> list[str]:
-    executable = Path(sys.executable).with_name("vllm-omni")
-    return [str(executable), "serve", str(model), "--host=127.0.0.1", f"--port={port}", *SERVE_FLAGS]
-
-
 @contextlib.contextmanager
-def serve(model: Path, log_path: Path, *, reuse: str, startup_s: float = 600) -> Iterator[Server]:
+def serve(
+    model: Path,
+    log_path: Path,
+    *,
+    reuse: str,
+    flags: tuple[str, ...] = SERVE_FLAGS,
+    env: dict[str, str] | None = None,
+    startup_s: float = 600,
+) -> Iterator[Server]:
     """Start the server in its own session, wait for ``/health``, and on exit stop it and every child.
 
     Raises if it does not become healthy, or if a process of its session outlives the stop by 60 s.
@@ -78,16 +81,17 @@ def serve(model: Path, log_path: Path, *, reuse: str, startup_s: float = 600) ->
     import requests
 
     port = free_port()
+    command = [str(Path(sys.executable).with_name("vllm-omni")), "serve", str(model)]
+    command += ["--host=127.0.0.1", f"--port={port}", *flags]
     env = os.environ | {
         "VLLM_OMNI_CPU_TEST_PLATFORM": "1",
         "VLLM_OMNI_H3_VAE_GATHER_REUSE": reuse,
         "VLLM_LOGGING_LEVEL": "DEBUG",  # the gather's per-call receipts
         "OMP_NUM_THREADS": "1",  # four ranks share two cores
+        **(env or {}),
     }
     log_file = log_path.open("w")
-    process = subprocess.Popen(
-        _command(model, port), env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(process, port, log_path)
     try:
         deadline = time.monotonic() + startup_s

@@ -23,14 +23,6 @@ DEVICE_COUNT_ENV = "VLLM_OMNI_CPU_TEST_DEVICE_COUNT"
 _empty_cache_calls = itertools.count(1)
 
 
-def count_empty_cache() -> None:
-    logger.info(
-        "[CPU_TEST_PLATFORM] empty_cache #%d pid=%d: an accelerator would release cached device memory here",
-        next(_empty_cache_calls),
-        os.getpid(),
-    )
-
-
 def device_count() -> int:
     """``VLLM_OMNI_CPU_TEST_DEVICE_COUNT`` (default 4): vLLM-Omni wants one device per rank and at least one."""
     raw = os.environ.get(DEVICE_COUNT_ENV, "4")
@@ -59,7 +51,11 @@ class CpuTestOmniPlatform(OmniPlatform, CpuPlatform):
 
     @classmethod
     def empty_cache(cls) -> None:
-        count_empty_cache()
+        logger.info(
+            "[CPU_TEST_PLATFORM] empty_cache #%d pid=%d: an accelerator would release cached device memory here",
+            next(_empty_cache_calls),
+            os.getpid(),
+        )
 
     @classmethod
     def synchronize(cls) -> None:

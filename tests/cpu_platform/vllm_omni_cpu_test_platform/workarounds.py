@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 
 import torch
 
 from . import active
-from .platform import count_empty_cache
 
 _MARK = "_cpu_test_platform_workaround"
 
@@ -33,7 +33,9 @@ def apply() -> None:
         return
     import vllm.model_executor.layers.utils as layer_utils
 
+    from vllm_omni.diffusion.attention.backends.ring import ring_kernels
     from vllm_omni.diffusion.models.minimax_h3 import pipeline_minimax_h3
+    from vllm_omni.diffusion.offloader.sequential_backend import SequentialOffloadHook
     from vllm_omni.diffusion.worker import diffusion_worker
 
     # vLLM's CPU linear layers prepack their weights and delete ``.weight``; the MiniMax-H3 text encoder slices
@@ -45,16 +47,58 @@ def apply() -> None:
     pipeline_minimax_h3.Qwen3VLProcessor = _ImageOnlyProcessor
 
     # The adapters' offload ends in ``torch.accelerator.empty_cache()``, which raises without an accelerator:
-    # count it where an accelerator would release memory, as the platform's own ``empty_cache`` does.
-    _wrap(torch.accelerator, "empty_cache", lambda f: lambda: count_empty_cache())
+    # send it to the platform's counted ``empty_cache``, the one place that marks where memory would be released.
+    _wrap(torch.accelerator, "empty_cache", lambda f: lambda: _platform_empty_cache())
 
     # The worker's output thread asks ``torch.accelerator.current_accelerator().type`` for a copy stream and
     # dies on None (``diffusion/worker/diffusion_worker.py``): that thread gets "cpu".
     _wrap(torch.accelerator, "current_accelerator", _cpu_for_the_output_thread)
 
+    # Model-level offload never reaches its empty_cache() on CPU: parameters never leave the CPU, so
+    # ``SequentialOffloadHook._to_cpu`` returns early (``diffusion/offloader/sequential_backend.py``). Track which
+    # components an accelerator run would hold on the device and count an empty_cache where it would evict one.
+    _wrap(SequentialOffloadHook, "_to_gpu", _mark_resident)
+    _wrap(SequentialOffloadHook, "_to_cpu", _release_if_resident)
+
+    # Ring attention calls ``aten._scaled_dot_product_efficient_attention``, which has no CPU kernel
+    # (``diffusion/attention/backends/ring/ring_kernels.py``); the CPU flash kernel returns the same (out, lse).
+    ring_kernels._scaled_dot_product_efficient_attention = _efficient_attention_on_cpu
+
     # Packing outputs into shared memory with a copy stream calls ``torch.accelerator.current_stream()``, which
     # raises on CPU (``diffusion/ipc.py``); without a stream it copies synchronously.
     _wrap(diffusion_worker, "pack_diffusion_output_shm", lambda f: lambda output, d2h_stream=None: f(output))
+
+
+_resident: weakref.WeakSet = weakref.WeakSet()
+
+
+def _platform_empty_cache() -> None:
+    from vllm_omni.platforms import current_omni_platform
+
+    current_omni_platform.empty_cache()
+
+
+def _mark_resident(original):
+    def to_gpu(self, module):
+        original(self, module)
+        _resident.add(module)
+
+    return to_gpu
+
+
+def _release_if_resident(original):
+    def to_cpu(self, module):
+        original(self, module)
+        if module in _resident:
+            _resident.discard(module)
+            _platform_empty_cache()
+
+    return to_cpu
+
+
+def _efficient_attention_on_cpu(query, key, value, *, dropout_p=0.0, is_causal=False, scale=None, **_bias_and_lse):
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
 
 
 def _cpu_for_the_output_thread(original):

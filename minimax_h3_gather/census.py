@@ -1,0 +1,110 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""A census of every collective a MiniMax-H3 request makes, taken inside real serving workers.
+
+``vllm_omni.general_plugins`` entry point, inert unless ``VLLM_OMNI_H3_CENSUS_DIR`` names a directory. Then
+each worker watches every ``torch.distributed`` collective with a ``CollectiveLedger`` from its first
+request on, attributes each to a pipeline component by its caller, closes a release window wherever the
+platform empties the cache, and after every request writes ``census-rank<r>.json`` there. A diagnostic for
+a few requests: the ledger holds every buffer it sees, so that a freed address is never taken for a reused one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from types import FrameType
+
+from vllm.logger import init_logger
+
+from .ledger import CollectiveLedger
+
+logger = init_logger(f"vllm_omni.plugins.{__name__}")
+
+CENSUS_ENV = "VLLM_OMNI_H3_CENSUS_DIR"
+COMPONENTS = ("text_encoder", "dit", "video_vae", "audio_vae", "other")
+_MARK = "_minimax_h3_census_hook"
+# Pipeline helpers that only move another component's tensors; the component is their caller's.
+_PIPELINE_HELPERS = ("_broadcast_tensor", "_encoder_group_broadcast_tensor", "_distribute_encode_inputs")
+
+
+def census_dir() -> Path | None:
+    raw = os.environ.get(CENSUS_ENV)
+    if raw is None:
+        return None
+    path = Path(raw)
+    if not raw.strip() or not path.is_dir():
+        raise ValueError(f"{CENSUS_ENV}={raw!r} is not an existing directory; unset it to take no census")
+    return path
+
+
+def classify(frame: FrameType | None) -> str:
+    """The pipeline component a collective belongs to: the innermost caller that names one."""
+    while frame is not None:
+        path, name = frame.f_code.co_filename, frame.f_code.co_qualname
+        file = Path(path).name
+        if file in ("klvae.py", "vae_gather.py") or name.startswith("MiniMaxH3VideoVAE"):
+            return "video_vae"
+        if file == "parallel.py" and "transformers_modules" in path:  # the checkpoint's var-shape gather
+            return "video_vae"
+        if "audio_vae" in file or name.startswith("MiniMaxH3AudioVAE"):
+            return "audio_vae"
+        if file == "minimax_h3_transformer.py":
+            return "dit"
+        if file == "encoder.py" and "minimax_h3" in path:
+            return "text_encoder"
+        if file == "pipeline_minimax_h3.py" and not name.endswith(_PIPELINE_HELPERS):
+            lowered = name.lower()
+            for component, words in (("text_encoder", ("text", "prompt")), ("audio_vae", ("audio",))):
+                if any(word in lowered for word in words):
+                    return component
+            if any(word in lowered for word in ("video", "image", "decode")):
+                return "video_vae"
+        frame = frame.f_back
+    return "other"
+
+
+def register() -> None:
+    """Hook the MiniMax-H3 pipeline's ``forward`` and the platform's ``empty_cache`` in this worker."""
+    directory = census_dir()
+    if directory is None:
+        return
+    from vllm_omni.diffusion.models.minimax_h3.pipeline_minimax_h3 import MiniMaxH3Pipeline
+    from vllm_omni.platforms import current_omni_platform
+
+    if getattr(MiniMaxH3Pipeline.forward, _MARK, False):
+        return
+    ledger = CollectiveLedger(limit=None, classify=classify)
+    platform = type(current_omni_platform)
+    empty_cache = platform.empty_cache
+
+    def empty_cache_and_mark(cls) -> None:
+        empty_cache()
+        ledger.mark_release()
+
+    platform.empty_cache = classmethod(empty_cache_and_mark)
+    forward = MiniMaxH3Pipeline.forward
+
+    @functools.wraps(forward)
+    def counted_forward(self, *args, **kwargs):
+        if not ledger.active:
+            ledger.__enter__()  # from the first request on; the worker's lifetime ends it
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            ledger.end_request()
+            _write(directory, ledger)
+
+    setattr(counted_forward, _MARK, True)
+    MiniMaxH3Pipeline.forward = counted_forward
+    logger.info("[H3_CENSUS] counting every collective per request into %s", directory)
+
+
+def _write(directory: Path, ledger: CollectiveLedger) -> None:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = directory / f"census-rank{rank}.json"
+    path.write_text(json.dumps({"rank": rank, "requests": [r.as_dict() for r in ledger.requests]}, indent=1))
