@@ -22,6 +22,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report
 from minimax_h3_gather import serve_cpu
 from minimax_h3_gather.census import CENSUS_ENV, COMPONENTS
 
@@ -125,8 +126,7 @@ def format_table(summary: dict[str, Any]) -> str:
                     mib = [f"{t[key] / MIB:.2f}" for key in ("bytes_sent", "bytes_received", "fresh_bytes")]
                     counts = [str(t[key]) for key in ("calls", "fresh_buffers", "persistent_buffers")]
                     lines.append([fix, str(index), component, counts[0], *mib[:2], counts[1], mib[2], counts[2]])
-    widths = [max(len(row[c]) for row in lines) for c in range(len(header))]
-    text = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in lines]
+    text = report.align(lines)
     text.append("")
     for fix, run in summary["runs"].items():
         for index, request in enumerate(run["ranks"][0]["requests"], start=1):
@@ -166,11 +166,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     title = "Fresh bytes handed to collectives, rank 0"
     ax.set(xlabel="request (left bar: fix off, right bar: fix on)", ylabel="MiB", title=title)
-    ax.legend(fontsize=7)
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save(fig, [ax], path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

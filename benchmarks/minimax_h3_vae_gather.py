@@ -26,6 +26,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report
 from minimax_h3_gather import devices
 from minimax_h3_gather.ranks import results_or_raise, run_ranks
 from minimax_h3_gather.strategies import STRATEGIES
@@ -220,8 +221,7 @@ def format_table(summary: dict[str, Any]) -> str:
                 line += [f"{row['device_non_pytorch_growth_bytes'] / MIB:.1f}"]
                 line += [f"{row['device_allocated_bytes'] / MIB:.1f}"]
             lines.append(line)
-    widths = [max(len(row[c]) for row in lines) for c in range(len(header))]
-    text = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in lines]
+    text = report.align(lines)
     text.append("")
     for name, data in summary["strategies"].items():
         text.append(
@@ -256,14 +256,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     axes[0][0].set(xlabel="request", ylabel="MiB", title="Pinned by modelled registrations (ledger)")
     if on_device:
         axes[0][1].set(xlabel="request", ylabel="MiB", title="Device memory outside PyTorch (rank 0)")
-    for ax in axes[0]:
-        ax.legend()
-        ax.grid(alpha=0.3)
-        ax.xaxis.get_major_locator().set_params(integer=True)
     fig.suptitle(f"MiniMax-H3 VAE tile gather, {summary['world_size']} ranks on {summary['config']['device']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    report.save(fig, list(axes[0]), path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -68,16 +68,14 @@ def test_a_buffer_used_twice_in_one_window_is_reused_not_fresh(one_rank_group):
 
 def _frame_from(path: str, qualname: str, inner: tuple[str, str] | None = None):
     """A real frame whose code claims ``path`` and ``qualname``; ``inner`` is called from it, innermost first."""
-    namespace: dict = {"sys": sys}
-    if inner is not None:
-        exec(compile(f"def {inner[1]}():\n    return sys._getframe()\n", inner[0], "exec"), namespace)
-        body = f"return {inner[1]}()"
-    else:
-        body = "return sys._getframe()"
-    outer = qualname.rpartition(".")[2]
-    exec(compile(f"def {outer}():\n    {body}\n", path, "exec"), namespace)
-    namespace[outer].__code__ = namespace[outer].__code__.replace(co_qualname=qualname)
-    return namespace[outer]()
+    namespace: dict = {"sys": sys, "_inner": None}
+    for file, name in [inner, (path, qualname)] if inner else [(path, qualname)]:
+        short = name.rpartition(".")[2]
+        body = "return callee() if callee else sys._getframe()"
+        exec(compile(f"def {short}(callee=_inner):\n    {body}\n", file, "exec"), namespace)
+        namespace[short].__code__ = namespace[short].__code__.replace(co_qualname=name)
+        namespace["_inner"] = namespace[short]
+    return namespace["_inner"]()
 
 
 SITE = "/venv/site-packages/vllm_omni/diffusion/models/minimax_h3"
