@@ -14,6 +14,7 @@ Each is served only when the real module cannot be found and torch sees no accel
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -68,6 +69,8 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def exec_module(self, module) -> None:
         if module.__name__ == "torchaudio":
             module.__path__ = []
+            for name in ("functional", "transforms"):  # as the real package, which imports them itself
+                setattr(module, name, importlib.import_module(f"torchaudio.{name}"))
             return
         if module.__name__ == _QWEN2_VL:
             from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
