@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import sys
 from importlib.metadata import version
 from pathlib import Path
@@ -81,12 +82,14 @@ def projection(run: dict[str, Any]) -> dict[str, Any]:
     from minimax_h3_gather.synthetic.pipeline import DIT, REQUEST, VIDEO_VAE
 
     request = run["ranks"][0]["requests"][-1]
-    dit_rows = [
-        int(shape.split("[")[1].split(",")[0])
+    dit_rows = [  # the leading dim of every 2-D or larger all-reduce: the sequence length, at its largest
+        dims[0]
         for site, books in request["books"].get("dit", {}).items()
         if site.startswith("all_reduce")
-        for shape in books["shapes"]
+        for dims in (re.findall(r"\d+", shape.partition("[")[2]) for shape in books["shapes"])
+        if len(dims) >= 2
     ]
+    dit_rows = [int(rows) for rows in dit_rows]
     latent_frames = 5 * ((SEED["frames"] - 5 + 16) // 17) + 2  # 17n+5 frames <-> 5n+2 latents
     seed_video = latent_frames * (SEED["height"] // 32) * (SEED["width"] // 32)
     syn_video = 32 * (REQUEST["height"] // 32) * (REQUEST["width"] // 32)
