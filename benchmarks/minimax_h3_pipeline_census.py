@@ -23,8 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from minimax_h3_gather import serve_cpu
+from minimax_h3_gather import report, serve_cpu
 from minimax_h3_gather.census import CENSUS_ENV, COMPONENTS
 
 MIB = 1024 * 1024

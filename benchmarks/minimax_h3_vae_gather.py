@@ -26,8 +26,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
-from minimax_h3_gather import devices
+from minimax_h3_gather import devices, report
 from minimax_h3_gather.ranks import results_or_raise, run_ranks
 from minimax_h3_gather.strategies import STRATEGIES
 
