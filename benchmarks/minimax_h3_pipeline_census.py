@@ -135,6 +135,9 @@ def format_table(summary: dict[str, Any]) -> str:
             timeline = " > ".join(request["timeline"])
             text.append(f"fix {fix}, request {index}: {request['releases']} release(s); {timeline}")
     proj = summary["projection"]
+    if proj is None:
+        text.append(f"media identical with the fix off and on: {summary['media_identical']}")
+        return "\n".join(text)
     text.append("")
     text.append("PROJECTION (not a measurement) to 1344x768, 209 frames, TP 4, real widths; rank 0, per request:")
     text.append(f"  {proj['formula']}")
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {p: version(p) for p in ("torch", "vllm-omni")},
         "runs": runs,
         "media_identical": runs["off"]["media_sha256"] == runs["on"]["media_sha256"],
-        "projection": projection(runs["on"]),
+        "projection": projection(runs["on"]) if args.layout == "tp" else None,  # its formula assumes TP 4
     }
     (args.output_dir / "census.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.output_dir / "census.png")

@@ -87,7 +87,9 @@ def test_dit_and_text_encoder_collectives_are_present_and_attributed_on_every_ra
             assert totals["dit"]["calls"] > 0 and totals["text_encoder"]["calls"] > 0, (fix, rank, index)
             dit_ops = {site.split(" @ ")[0] for site in request["books"]["dit"]}
             assert {"all_reduce", "all_gather_into_tensor"} <= dit_ops
-            assert totals["other"]["calls"] == 0, request["books"].get("other")
+            # Only request control outside the components (0.30.0 all-reduces a cancellation flag per stage).
+            for site, books in request["books"].get("other", {}).items():
+                assert books["bytes_received"] <= 64 * books["calls"], (site, books)
     # The fix touches the VAE only: the DiT's books are the same with it off and on.
     off, on = (
         census_bench.by_component(census[2]["runs"][f]["ranks"][0]["requests"][-1])["dit"] for f in ("off", "on")
@@ -99,13 +101,14 @@ def test_every_request_shows_release_windows_between_components(census):
     for fix in ("off", "on"):
         for _, _, request in _requests(census, fix):
             assert request["releases"] >= 2
-            timeline = [step for step in request["timeline"] if step != "release"]
-            assert timeline == ["text_encoder", "dit", "video_vae"], request["timeline"]
+            steps = [step for step in request["timeline"] if step not in ("release", "other")]
+            order = [step for i, step in enumerate(steps) if i == 0 or steps[i - 1] != step]
+            assert order == ["text_encoder", "dit", "video_vae"], request["timeline"]
 
 
 def test_census_json_schema_is_stable(census):
     summary = census[2]
-    assert set(summary) == SCHEMA["top"] and set(summary["projection"]) == SCHEMA["projection"]
+    assert set(summary) == SCHEMA["top"] and set(summary["projection"]) == SCHEMA["projection"]  # TP: projected
     for fix in ("off", "on"):
         assert set(summary["runs"][fix]) == SCHEMA["run"]
         for _, _, request in _requests(census, fix):
