@@ -40,10 +40,10 @@ COLLECTIVES = (
     "barrier",
     "send",
     "recv",
-    "isend",
-    "irecv",
     "batch_isend_irecv",
 )
+# Not isend and irecv: P2POp checks its op against torch.distributed's own functions, so wrapping them would
+# break every batch_isend_irecv (Ring attention's); their batches are booked through batch_isend_irecv.
 _SKIP_FILES = (str(Path(dist.__file__).parent), __file__)
 
 
@@ -118,9 +118,9 @@ def _buffers(name: str, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], 
         return [tensor], [tensor], 0
     if name == "gather":
         return [arg(0, "tensor")], list(arg(1, "gather_list") or []), 0
-    if name in ("send", "isend"):
+    if name == "send":
         return [arg(0, "tensor")], [], 0
-    if name in ("recv", "irecv"):
+    if name == "recv":
         return [], [arg(0, "tensor")], 0
     if name == "batch_isend_irecv":
         ops = list(arg(0, "p2p_op_list") or [])
