@@ -17,7 +17,6 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from .ranks import free_port
 
 WORLD = 4
 SERVE_FLAGS = (
@@ -43,12 +44,6 @@ RECEIPTS = {
     "workspace_allocs": r"\[H3_VAE_GATHER\] reuse=alloc ",
     "empty_cache": r"\[CPU_TEST_PLATFORM\] empty_cache #",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -163,15 +158,18 @@ def media_info(mp4: bytes) -> Media:
         return Media(video.codec_context.width, video.codec_context.height, frames, audio.channels, audio.rate)
 
 
+def _without_colours(log: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", log)
+
+
 def receipts(log: str) -> Counter[str]:
     """How often each receipt of the fix (and of the platform's ``empty_cache``) appears in a server log."""
-    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)
+    plain = _without_colours(log)
     return Counter({name: len(re.findall(pattern, plain)) for name, pattern in RECEIPTS.items()})
 
 
 def receipt_lines(log: str) -> list[str]:
-    plain = re.sub(r"\x1b\[[0-9;]*m", "", log)
-    return [line for line in plain.splitlines() if "[H3_VAE_GATHER]" in line]
+    return [line for line in _without_colours(log).splitlines() if "[H3_VAE_GATHER]" in line]
 
 
 def main(argv: list[str] | None = None) -> int:
