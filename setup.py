@@ -4,9 +4,9 @@
 
 ``vllm_omni/diffusion/models/minimax_h3/vae_gather.py`` is laid out exactly where upstream keeps the
 model, with no ``__init__.py`` of ours on the way, so ``pip install .`` drops it into the installed
-vLLM-Omni package. ``minimax_h3_gather`` holds what stays out of tree: the plugin that calls the fix
-from the released adapter, the collective ledger and the synthetic checkpoint used by tests and the
-benchmark.
+vLLM-Omni package. ``minimax_h3_gather`` holds the rest of what an operator runs: the plugin that calls
+the fix from the released adapter and the collective census. The reproducer's tooling
+(``minimax_h3_bench``) and the tests are not installed.
 """
 
 from pathlib import Path
@@ -23,14 +23,13 @@ def _requirements(name: str) -> list[str]:
 
 setup(
     name="minimax-h3-vae-gather",
-    version="0.1.0",
+    version="0.3.0",
     description="Address-stable tile gather for the MiniMax-H3 video VAE in vLLM-Omni (XPU memory-leak fix)",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",
-    packages=find_namespace_packages(include=["vllm_omni.diffusion.models.minimax_h3", "minimax_h3_gather*"]),
-    package_data={"minimax_h3_gather.synthetic": ["remote_code/*.py"]},
+    packages=find_namespace_packages(include=["vllm_omni.diffusion.models.minimax_h3", "minimax_h3_gather"]),
     install_requires=_requirements("common.txt"),
     entry_points={
         "vllm_omni.general_plugins": [

@@ -9,7 +9,7 @@ once with the fix off and once on, ``--requests`` identical requests each. Every
 buffers were fresh (new to the backend: a registration on XPU) or persistent across an ``empty_cache``.
 Prints a table, writes ``census.json`` and ``census.png``, and projects the bytes to the seed's geometry.
 
-    python benchmarks/minimax_h3_pipeline_census.py --requests 3 --output-dir out/census
+    python -m benchmarks.minimax_h3_pipeline_census --requests 3 --output-dir out/census
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from minimax_h3_gather import report, serve_cpu
+from minimax_h3_bench import report, serve_cpu
 from minimax_h3_gather.census import CENSUS_ENV, COMPONENTS
 
 MIB = 1024 * 1024
@@ -78,7 +78,7 @@ def projection(run: dict[str, Any]) -> dict[str, Any]:
     / (tiles_syn x tile_syn^2) x (209 / frames decoded_syn): every rank receives every tile. Text encoder:
     x 1 (the prompt's tokens, 5120 wide in both).
     """
-    from minimax_h3_gather.synthetic.pipeline import DIT, REQUEST, VIDEO_VAE
+    from minimax_h3_bench.synthetic.pipeline import DIT, REQUEST, VIDEO_VAE
 
     request = run["ranks"][0]["requests"][-1]
     dit_rows = [  # the leading dim of every 2-D or larger all-reduce: the sequence length, at its largest
@@ -188,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from minimax_h3_gather.synthetic.pipeline import build_synthetic_pipeline
+    from minimax_h3_bench.synthetic.pipeline import build_synthetic_pipeline
 
     model = build_synthetic_pipeline(args.cache_dir)
     runs = {}

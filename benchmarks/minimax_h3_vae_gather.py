@@ -9,8 +9,8 @@ collective ledger (a model of oneCCL's registrations, see ``minimax_h3_gather.le
 allocations each strategy hands the collectives; with ``--device xpu`` each rank also samples its card's
 memory before and after every request. A micro-benchmark then times the gathers alone, interleaved.
 
-    python benchmarks/minimax_h3_vae_gather.py --requests 5 --output-dir out/minimax_h3_vae_gather
-    python benchmarks/minimax_h3_vae_gather.py --device xpu --world-size 4   # one rank per card
+    python -m benchmarks.minimax_h3_vae_gather --requests 5 --output-dir out/minimax_h3_vae_gather
+    python -m benchmarks.minimax_h3_vae_gather --device xpu --world-size 4   # one rank per card
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from minimax_h3_gather import devices, report
-from minimax_h3_gather.ranks import results_or_raise, run_ranks
-from minimax_h3_gather.strategies import STRATEGIES
+from minimax_h3_bench import devices, report
+from minimax_h3_bench.ranks import results_or_raise, run_ranks
+from minimax_h3_bench.strategies import STRATEGIES
 
 MIB = 1024 * 1024
 
@@ -49,18 +49,28 @@ def _progress(rank: int, message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
-class _TimedGather:
-    """Times each call of the gather it wraps; set on the checkpoint instance in place of it."""
+def _synchronize(device) -> None:
+    """Wait for the device, so that a timer measures the work and not only its enqueueing."""
+    from vllm_omni.diffusion.models.minimax_h3.vae_gather import synchronize
 
-    def __init__(self, inner: Any) -> None:
+    synchronize(device)
+
+
+class _TimedGather:
+    """Times each call of the gather it wraps, device work included; set on the checkpoint instance in place of it."""
+
+    def __init__(self, inner: Any, device) -> None:
         self.inner = inner
+        self.device = device
         self.seconds: list[float] = []
 
     def __call__(self, tasks, num_tiles):
+        _synchronize(self.device)
         start = time.perf_counter()
         try:
             return self.inner(tasks, num_tiles)
         finally:
+            _synchronize(self.device)
             self.seconds.append(time.perf_counter() - start)
 
 
@@ -72,8 +82,8 @@ def _rotated(strategies: tuple[str, ...], turn: int) -> tuple[str, ...]:
 
 def _adapters(world: int, cfg: Config, device) -> dict[str, tuple[Any, Any]]:
     """One released adapter per strategy, with the strategy installed: ``{name: (vae, stats source)}``."""
-    from minimax_h3_gather import harness
-    from minimax_h3_gather.strategies import install_strategy
+    from minimax_h3_bench import harness
+    from minimax_h3_bench.strategies import install_strategy
 
     adapters = {}
     for name in cfg.strategies:
@@ -84,16 +94,18 @@ def _adapters(world: int, cfg: Config, device) -> dict[str, tuple[Any, Any]]:
 
 
 def _serve_requests(rank: int, world: int, cfg: Config, device) -> dict[str, Any]:
-    from minimax_h3_gather import harness
+    from minimax_h3_bench import harness
     from minimax_h3_gather.ledger import CollectiveLedger
 
     adapters, stats_of, timers, ledgers = {}, {}, {}, {}
     for name, (vae, stats) in _adapters(world, cfg, device).items():
         stats_of[name] = stats
-        timers[name] = _TimedGather(vae.model._all_gather_tiled_results)
+        timers[name] = _TimedGather(vae.model._all_gather_tiled_results, device)
         vae.model._all_gather_tiled_results = timers[name]
         adapters[name] = vae
-        ledgers[name] = CollectiveLedger(cfg.ledger_limit)
+        # On a card the ledger only counts: holding every buffer would itself move the addresses and the memory
+        # that the samples measure. On CPU it pins what it sees, the model of oneCCL's registrations.
+        ledgers[name] = CollectiveLedger(cfg.ledger_limit, hold_buffers=device.type == "cpu")
 
     latent = harness.make_latent(cfg.latent_shape, seed=0)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.strategies}
@@ -107,6 +119,7 @@ def _serve_requests(rank: int, world: int, cfg: Config, device) -> dict[str, Any
                 with ledgers[name]:
                     start = time.perf_counter()
                     frames = harness.run_request(adapters[name], latent)
+                    _synchronize(device)
                     decode_seconds[name].append(time.perf_counter() - start)
                 booked = ledgers[name].end_request()
                 after = devices.sample_memory(device)
@@ -147,8 +160,7 @@ def _time_gathers(rank: int, world: int, cfg: Config, device) -> dict[str, float
             dist.barrier()
             start = time.perf_counter()
             tiles = gathers[name](tasks, num_tiles)
-            if device.type != "cpu":
-                torch.get_device_module(device.type).synchronize(device)
+            _synchronize(device)
             if rep >= 2:  # two warm-up rounds
                 seconds[name].append(time.perf_counter() - start)
             del tiles
@@ -156,7 +168,7 @@ def _time_gathers(rank: int, world: int, cfg: Config, device) -> dict[str, float
 
 
 def _bench_rank(rank: int, world: int, cfg: Config) -> dict[str, Any]:
-    from minimax_h3_gather import harness
+    from minimax_h3_bench import harness
 
     device = devices.rank_device(cfg.device, rank)
     harness.join_vllm_omni_world(rank, world)
@@ -287,7 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from minimax_h3_gather.synthetic import build_synthetic_checkpoint
+    from minimax_h3_bench.synthetic import build_synthetic_checkpoint
 
     cfg = Config(
         component=str(build_synthetic_checkpoint(args.cache_dir)),

@@ -1,3 +1,3 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""What stays out of tree: the plugin for released vLLM-Omni, the collective ledger, the synthetic checkpoint."""
+"""What an operator installs beside the fix: the plugin for released vLLM-Omni and the collective census."""

@@ -5,8 +5,9 @@
 ``vllm_omni.general_plugins`` entry point, inert unless ``VLLM_OMNI_H3_CENSUS_DIR`` names a directory. Then
 each worker watches every ``torch.distributed`` collective with a ``CollectiveLedger`` from its first
 request on, attributes each to a pipeline component by its caller, closes a release window wherever the
-platform empties the cache, and after every request writes ``census-rank<r>.json`` there. A diagnostic for
-a few requests: the ledger holds every buffer it sees, so that a freed address is never taken for a reused one.
+platform or the adapters empty the cache, and after every request writes ``census-rank<r>.json`` there. A
+diagnostic for a few requests: on CPU ranks the ledger holds every buffer it sees, so that a freed address is
+never taken for a reused one; on a device it holds none, so the backend sees the addresses it would see anyway.
 """
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
+from typing import Any
 
+import torch
 from vllm.logger import init_logger
 
 from .ledger import CollectiveLedger
@@ -40,10 +44,20 @@ def census_dir() -> Path | None:
     return path
 
 
+def qualname(code: CodeType, local_names: Mapping[str, Any]) -> str:
+    """``co_qualname`` where Python has it (3.11+); before, the class of ``self`` or ``cls`` and the name."""
+    if hasattr(code, "co_qualname"):
+        return code.co_qualname
+    owner = local_names.get("self", local_names.get("cls"))
+    if owner is None:
+        return code.co_name
+    return f"{(owner if isinstance(owner, type) else type(owner)).__qualname__}.{code.co_name}"
+
+
 def classify(frame: FrameType | None) -> str:
     """The pipeline component a collective belongs to: the innermost caller that names one."""
     while frame is not None:
-        path, name = frame.f_code.co_filename, frame.f_code.co_qualname
+        path, name = frame.f_code.co_filename, qualname(frame.f_code, frame.f_locals)
         file = Path(path).name
         if file in ("klvae.py", "vae_gather.py") or name.startswith("MiniMaxH3VideoVAE"):
             return "video_vae"
@@ -66,8 +80,32 @@ def classify(frame: FrameType | None) -> str:
     return "other"
 
 
+def _marking_releases(ledger: CollectiveLedger) -> Callable[[Callable], Callable]:
+    """Wrap a cache-emptying function so that each outermost call closes a release window."""
+    depth = [0]
+
+    def wrap(empty_cache: Callable) -> Callable:
+        @functools.wraps(empty_cache)
+        def empty_cache_and_mark(*args, **kwargs):
+            depth[0] += 1
+            try:
+                return empty_cache(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:  # the platform's empty_cache may call torch's: one release, not two
+                    ledger.mark_release()
+
+        setattr(empty_cache_and_mark, _MARK, True)
+        return empty_cache_and_mark
+
+    return wrap
+
+
 def register() -> None:
-    """Hook the MiniMax-H3 pipeline's ``forward`` and the platform's ``empty_cache`` in this worker."""
+    """Hook the MiniMax-H3 pipeline's ``forward`` and both ways of emptying the cache in this worker.
+
+    The adapters call ``torch.accelerator.empty_cache()`` themselves; the offloader calls the platform's.
+    """
     directory = census_dir()
     if directory is None:
         return
@@ -76,15 +114,14 @@ def register() -> None:
 
     if getattr(MiniMaxH3Pipeline.forward, _MARK, False):
         return
-    ledger = CollectiveLedger(limit=None, classify=classify)
+    # Off a CPU run the ledger only counts: holding real buffers would change the addresses the backend sees.
+    on_cpu = current_omni_platform.device_type == "cpu" or not torch.accelerator.is_available()
+    ledger = CollectiveLedger(limit=None, classify=classify, hold_buffers=on_cpu)
+    mark = _marking_releases(ledger)
     platform = type(current_omni_platform)
-    empty_cache = platform.empty_cache
-
-    def empty_cache_and_mark(cls) -> None:
-        empty_cache()
-        ledger.mark_release()
-
-    platform.empty_cache = classmethod(empty_cache_and_mark)
+    platform_empty_cache = mark(platform.empty_cache)
+    platform.empty_cache = classmethod(lambda cls: platform_empty_cache())
+    torch.accelerator.empty_cache = mark(torch.accelerator.empty_cache)
     forward = MiniMaxH3Pipeline.forward
 
     @functools.wraps(forward)

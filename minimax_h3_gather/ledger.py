@@ -2,15 +2,22 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """A ledger of what ``torch.distributed`` collectives are handed, with a model of oneCCL's buffer registration.
 
-This is a model, not a measurement. On XPU, oneCCL registers the whole allocation behind every send and
-receive buffer it sees (Level Zero IPC handles, cached up to 1000 entries, LRU) and a registration can
-keep device memory from being freed. The ledger mimics that on any backend: the first time an allocation
-is handed to a collective it is registered and pinned (the ledger holds a reference, so the memory can
-never be freed and reused, as an open IPC handle keeps a peer's memory); an allocation seen again is a
-cache hit; past ``limit`` entries the least recently used one is released. Two things ProcessGroupXCCL
+This is a model, not a measurement. On XPU, oneCCL registers the whole allocation behind the send and
+receive buffers it is handed (Level Zero IPC handles, cached up to 1000 entries, LRU), and a stale
+registration can keep device memory from being freed (inferred from MPICH's reports, not observed here).
+The ledger mimics that on any backend: the first time an allocation is handed to a collective it is
+registered and, with ``hold_buffers`` (the default, for CPU runs), pinned: the ledger holds a reference, so
+the memory can never be freed and reused, as an open IPC handle keeps a peer's memory. On a real device
+pass ``hold_buffers=False``: the ledger then only counts addresses and the backend's own behaviour is what
+a memory sample measures. An allocation seen again is a cache hit; past ``limit`` entries the least
+recently used one is released. Two things ProcessGroupXCCL
 does behind the caller's back are modelled too: a list-form ``all_gather`` receives into a new hidden
 flat buffer on every call, and ``barrier`` all-reduces a new 4-byte device tensor on every call. Whether
 oneCCL registers that 4-byte tensor is not known, so barrier temps are counted apart from registrations.
+
+Watched: the functions in ``COLLECTIVES`` as callers reach them through ``torch.distributed``. Not seen:
+object collectives, functional collectives, and calls made on a ``ProcessGroup`` directly. An error in the
+ledger's own bookkeeping is logged once and never raised, so the collective it watches always runs.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
 ONECCL_CACHE_LIMIT = 1000
 COLLECTIVES = (
@@ -34,9 +44,14 @@ COLLECTIVES = (
     "all_gather_into_tensor",
     "all_gather_single",
     "all_reduce",
+    "all_to_all",
     "all_to_all_single",
     "broadcast",
     "gather",
+    "scatter",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
     "barrier",
     "send",
     "recv",
@@ -50,7 +65,7 @@ _SKIP_FILES = (str(Path(dist.__file__).parent), __file__)
 @dataclass
 class _Registration:
     nbytes: int
-    keep_alive: Any  # the storage itself, or None for a hidden backend temp that only exists in the model
+    keep_alive: Any  # the storage itself (hold_buffers), else None; None too for a backend temp of the model
     window: int = 0  # the release window it was first seen in
 
 
@@ -81,6 +96,7 @@ class RequestReport:
     releases: int = 0  # release marks (empty_cache where an accelerator run would call it) in this request
     timeline: list[str] = field(default_factory=list)  # components in call order, "release" between windows
     books: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # component -> site -> SiteBooks
+    bookkeeping_errors: int = 0  # calls the ledger could not book, since it started
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -111,13 +127,19 @@ def _buffers(name: str, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], 
         return [tensor], [], sum(t.nbytes for t in outputs)
     if name in ("all_gather_into_tensor", "all_gather_single"):
         return [arg(1, "input_tensor")], [arg(0, "output_tensor")], 0
-    if name == "all_to_all_single":
+    if name in ("all_to_all_single", "reduce_scatter_tensor"):
         return [arg(1, "input")], [arg(0, "output")], 0
-    if name in ("all_reduce", "broadcast"):
+    if name == "all_to_all":
+        return list(arg(1, "input_tensor_list")), list(arg(0, "output_tensor_list")), 0
+    if name == "reduce_scatter":
+        return list(arg(1, "input_list")), [arg(0, "output")], 0
+    if name in ("all_reduce", "broadcast", "reduce"):
         tensor = arg(0, "tensor")
         return [tensor], [tensor], 0
     if name == "gather":
         return [arg(0, "tensor")], list(arg(1, "gather_list") or []), 0
+    if name == "scatter":
+        return list(arg(1, "scatter_list") or []), [arg(0, "tensor")], 0
     if name == "send":
         return [arg(0, "tensor")], [], 0
     if name == "recv":
@@ -133,12 +155,18 @@ class CollectiveLedger:
     """Context manager that sees every collective in the process; ``end_request()`` closes one request's books."""
 
     def __init__(
-        self, limit: int | None = ONECCL_CACHE_LIMIT, classify: Callable[[FrameType | None], str] | None = None
+        self,
+        limit: int | None = ONECCL_CACHE_LIMIT,
+        classify: Callable[[FrameType | None], str] | None = None,
+        *,
+        hold_buffers: bool = True,
     ) -> None:
         """``classify`` names the component of a collective from its caller's frame (default: one component)."""
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"limit={limit!r}: expected a positive int (oneCCL's default is 1000) or None")
         self.limit = limit
+        self.hold_buffers = hold_buffers
+        self.bookkeeping_errors = 0
         self._classify = classify or (lambda frame: "all")
         self._window = 0
         self._registry: OrderedDict[Any, _Registration] = OrderedDict()
@@ -178,7 +206,7 @@ class CollectiveLedger:
     def _wrap(self, name: str, original: Any) -> Any:
         def collective(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:  # a collective implemented through another one is counted once
-                self._observe(name, args, kwargs)
+                self._observe_safely(name, args, kwargs)
             self._depth += 1
             try:
                 return original(*args, **kwargs)
@@ -194,6 +222,17 @@ class CollectiveLedger:
         self._releases += 1
         if self._timeline[-1:] != ["release"]:
             self._timeline.append("release")
+
+    def _observe_safely(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Book the call; a failure here must not keep this rank from the collective its peers are in."""
+        try:
+            self._observe(name, args, kwargs)
+        except Exception:
+            self.bookkeeping_errors += 1
+            if self.bookkeeping_errors == 1:
+                logger.exception(
+                    "[H3_CENSUS] could not book a %s call; it ran unbooked (later such errors are counted only)", name
+                )
 
     def _observe(self, name: str, args: tuple, kwargs: dict) -> None:
         self._calls += 1
@@ -222,7 +261,8 @@ class CollectiveLedger:
                 previous = seen.get(base)
                 seen[base] = (side if previous is None or previous[0] == side else "send+recv", storage)
         for base, (side, storage) in seen.items():
-            self._register((str(storage.device), base), storage.nbytes(), site, side, storage, books)
+            keep_alive = storage if self.hold_buffers else None
+            self._register((str(storage.device), base), storage.nbytes(), site, side, keep_alive, books)
         if hidden_bytes:
             key = ("hidden", next(self._hidden_ids))
             self._register(key, hidden_bytes, site, "recv (backend temp)", None, books)
@@ -263,6 +303,7 @@ class CollectiveLedger:
             releases=self._releases,
             timeline=list(self._timeline),
             books={c: {site: asdict(b) for site, b in sites.items()} for c, sites in self._books.items()},
+            bookkeeping_errors=self.bookkeeping_errors,
         )
         self.requests.append(report)
         self._reset_request()

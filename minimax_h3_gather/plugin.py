@@ -3,21 +3,28 @@
 """``vllm_omni.general_plugins`` entry point: the released adapter calls the gather fix from its setup.
 
 Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)``. A released
-vLLM-Omni does not, so this plugin, loaded by vLLM-Omni in every process that builds a model, makes
-``__init__`` end with that call. It is the project's one runtime patch.
+vLLM-Omni does not, so this plugin makes ``__init__`` end with that call. vLLM-Omni loads it in every
+process, whatever model it serves, so it only arms an import hook: the adapter is patched when its module
+is first imported, and a process that never imports MiniMax-H3 pays nothing.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import inspect
-from importlib.metadata import PackageNotFoundError, version
+import sys
+from types import ModuleType
 
 from vllm.logger import init_logger
+
+from .overlay import check_overlay, omni_version
 
 # Under vLLM-Omni's logger, so its handlers and level apply: a top-level name would drop the INFO line.
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
+ADAPTER_MODULE = "vllm_omni.diffusion.models.minimax_h3.vae"
 _HOOK_MARK = "_minimax_h3_tile_gather_hook"
 # What the hook relies on: the adapter's setup takes the component path, and the adapter reads the
 # checkpoint's parallel state the way install_tile_gather_reuse expects.
@@ -25,28 +32,17 @@ _EXPECTED_METHODS = ("set_parallel_size", "_native_parallel_state", "offload_to_
 _warned = False
 
 
-def _omni_version() -> str:
-    try:
-        return version("vllm-omni")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def _warn_once(reason: str) -> None:
     global _warned
     if not _warned:
         _warned = True
-        logger.warning("[H3_VAE_GATHER] plugin patches nothing: %s (vllm-omni %s)", reason, _omni_version())
+        logger.warning("[H3_VAE_GATHER] plugin patches nothing: %s (vllm-omni %s)", reason, omni_version())
 
 
-def _adapter_class():
-    try:
-        from vllm_omni.diffusion.models.minimax_h3 import vae
-    except ImportError as exc:
-        return None, f"cannot import vllm_omni.diffusion.models.minimax_h3.vae ({exc})"
-    adapter = getattr(vae, "MiniMaxH3VideoVAE", None)
+def _adapter_class(module: ModuleType) -> tuple[type | None, str | None]:
+    adapter = getattr(module, "MiniMaxH3VideoVAE", None)
     if not isinstance(adapter, type):
-        return None, "vllm_omni.diffusion.models.minimax_h3.vae has no MiniMaxH3VideoVAE class"
+        return None, f"{ADAPTER_MODULE} has no MiniMaxH3VideoVAE class"
     missing = [name for name in _EXPECTED_METHODS if not callable(getattr(adapter, name, None))]
     params = list(inspect.signature(adapter.__init__).parameters)
     if missing or params[:2] != ["self", "component_path"]:
@@ -54,22 +50,25 @@ def _adapter_class():
     return adapter, None
 
 
-def register() -> None:
-    """Hook ``MiniMaxH3VideoVAE.__init__`` once per process; later loads are no-ops."""
-    adapter, problem = _adapter_class()
+def hook_adapter(module: ModuleType) -> bool:
+    """Make ``MiniMaxH3VideoVAE.__init__`` end with the install, once; returns whether it is hooked."""
+    adapter, problem = _adapter_class(module)
     if adapter is None:
         _warn_once(problem)
-        return
+        return False
     original = adapter.__init__
     if getattr(original, _HOOK_MARK, False):
-        return
+        return True
 
-    from vllm_omni.diffusion.models.minimax_h3.vae_gather import install_tile_gather_reuse
+    from vllm_omni.diffusion.models.minimax_h3 import vae_gather
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        install_tile_gather_reuse(self)
+        # Not guarded: a checkpoint the fix cannot serve is logged and left alone inside, alike on every rank, but
+        # a rank that fails on its own (a bad switch value, no memory for the 28 KiB header buffer) must not come
+        # up with the checkpoint's gather while its peers run this one; its start-up fails instead.
+        vae_gather.install_tile_gather_reuse(self)
 
     setattr(__init__, _HOOK_MARK, True)
     adapter.__init__ = __init__
@@ -77,5 +76,42 @@ def register() -> None:
         "[H3_VAE_GATHER] plugin hooked %s.%s.__init__ to install the tile gather (vllm-omni %s)",
         adapter.__module__,
         adapter.__qualname__,
-        _omni_version(),
+        omni_version(),
     )
+    check_overlay(logger)
+    return True
+
+
+def _hook_quietly(module: ModuleType) -> None:
+    try:
+        hook_adapter(module)
+    except Exception:  # never into vLLM-Omni's own import or a worker's start-up
+        logger.exception("[H3_VAE_GATHER] plugin could not hook %s; the adapter is left as released", ADAPTER_MODULE)
+
+
+class _HookOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the loader of the adapter's module so the hook runs right after it."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != ADAPTER_MODULE:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_hook(module: ModuleType) -> None:
+            exec_module(module)
+            _hook_quietly(module)
+
+        spec.loader.exec_module = exec_then_hook
+        return spec
+
+
+def register() -> None:
+    """Hook the adapter now if its module is loaded, else when it is first imported; later calls are no-ops."""
+    module = sys.modules.get(ADAPTER_MODULE)
+    if module is not None:
+        _hook_quietly(module)
+    elif not any(isinstance(finder, _HookOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _HookOnImport())

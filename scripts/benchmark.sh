@@ -8,4 +8,4 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 
 bash scripts/setup_env.sh
-.venv/bin/python benchmarks/minimax_h3_vae_gather.py "$@"
+.venv/bin/python -m benchmarks.minimax_h3_vae_gather "$@"

@@ -8,7 +8,7 @@ import functools
 import sys
 from pathlib import Path
 
-from minimax_h3_gather import ranks
+from minimax_h3_bench import ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "vllm_omni" / "diffusion" / "models" / "minimax_h3"

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from minimax_h3_gather import serve_cpu
-from minimax_h3_gather.synthetic.pipeline import GATHERS_PER_REQUEST, REQUEST, build_synthetic_pipeline
+from minimax_h3_bench import serve_cpu
+from minimax_h3_bench.synthetic.pipeline import GATHERS_PER_REQUEST, REQUEST, build_synthetic_pipeline
 
 pytestmark = [
     pytest.mark.advanced_model,

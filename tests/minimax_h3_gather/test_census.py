@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minimax_h3_bench.ranks import free_port
 from minimax_h3_gather import census
 from minimax_h3_gather.ledger import CollectiveLedger
-from minimax_h3_gather.ranks import free_port
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minimax_h3_bench.ranks import free_port
 from minimax_h3_gather.ledger import COLLECTIVES, CollectiveLedger, _buffers
-from minimax_h3_gather.ranks import free_port
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 

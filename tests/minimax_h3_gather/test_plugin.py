@@ -12,8 +12,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from minimax_h3_bench.synthetic import build_synthetic_checkpoint
 from minimax_h3_gather import plugin
-from minimax_h3_gather.synthetic import build_synthetic_checkpoint
 from tests.utils import results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.integration]
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, py
 def _load_plugins_and_build(rank: int, world: int, component: str, plugins: str | None) -> dict:
     import os
 
-    from minimax_h3_gather import harness
+    from minimax_h3_bench import harness
     from vllm_omni.diffusion.models.minimax_h3.vae import MiniMaxH3VideoVAE
     from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV, get_tile_gather
     from vllm_omni.plugins import load_omni_general_plugins

@@ -4,6 +4,8 @@
 
 Each case spoils what rank ``BAD_RANK`` passes to the gather (its share, its ``num_tiles``, or both);
 the other ranks pass good input. Every rank must raise the same error, and the next good gather must work.
+Some cases fail on that rank before the exchange (a share that is no list, a copy-in that raises): the
+others must hear of it, not wait for it.
 """
 
 from __future__ import annotations
@@ -28,10 +30,24 @@ class BadInput:
     spoil: Callable[[list[torch.Tensor], int], tuple[list[Any], Any]]  # (good share, num_tiles) -> bad ones
     pattern: str
     every_rank: bool = False  # spoil every rank's input, not only BAD_RANK's
+    kind: str = "ValueError"
 
 
 def _other_tile(index: int, **kwargs: Any) -> torch.Tensor:
     return make_tile(index, **{"shape": SHAPE, **kwargs})
+
+
+class CopyInFails(torch.Tensor):
+    """A tile whose copy into the workspace raises: a local failure after the workspace is in hand."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.stack:
+            raise RuntimeError("injected: the copy-in failed")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+_BEFORE_THE_EXCHANGE = r"rank\(s\) \[2\] failed before the exchange; the cause is in their traceback"
 
 
 CASES = (
@@ -62,7 +78,7 @@ CASES = (
     BadInput(
         "more-than-8-dims",
         lambda s, n: ([t.reshape(1, 1, 1, 1, 1, *SHAPE) for t in s], n),
-        r"rank\(s\) \[2\] hold tiles .* or of more than 8 dims",
+        r"rank\(s\) \[2\] hold tiles .*, of more than 8 dims",
     ),
     BadInput(
         "dtype-differs-across-ranks",
@@ -79,6 +95,18 @@ CASES = (
     BadInput("num-tiles-a-string", lambda s, n: (s, str(n)), r"num_tiles per rank \[9, 9, -1, 9\] \(-1: not an int"),
     BadInput("num-tiles-a-float", lambda s, n: (s, float(n)), r"num_tiles per rank \[9, 9, -1, 9\]"),
     BadInput("num-tiles-a-bool", lambda s, n: (s, True), r"num_tiles per rank \[9, 9, -1, 9\]"),
+    BadInput(
+        "tiles-on-another-device-type",
+        lambda s, n: ([t.to("meta") for t in s], n),
+        r"tiles on different device types \['cpu', 'cpu', 'meta', 'cpu'\]",
+    ),
+    BadInput("share-not-a-list", lambda s, n: (None, n), _BEFORE_THE_EXCHANGE, kind="RuntimeError"),
+    BadInput(
+        "copy-in-raises",
+        lambda s, n: ([t.as_subclass(CopyInFails) for t in s], n),
+        _BEFORE_THE_EXCHANGE,
+        kind="RuntimeError",
+    ),
     BadInput(
         "num-tiles-below-sp-size",
         lambda s, n: (make_share(0, 1, 3, shape=SHAPE)[:1], 3),

@@ -3,6 +3,7 @@
 import logging
 
 import pytest
+import torch
 
 from vllm_omni.diffusion.models.minimax_h3 import vae_gather
 
@@ -27,3 +28,20 @@ def gather_log():
     yield handler
     logger.removeHandler(handler)
     logger.setLevel(previous)
+
+
+@pytest.fixture
+def device_stand_in(monkeypatch):
+    """Stand-in for XPU and CUDA cards, which this machine lacks: ``xpu`` resolves to ``xpu:0`` (``cuda`` alike)
+    and memory asked of them comes from the CPU. Returns the devices asked for, in order."""
+    asked: list[torch.device] = []
+    real = vae_gather.allocate_bytes
+
+    def allocate(nbytes, device, group):
+        asked.append(device)
+        return real(nbytes, torch.device("cpu") if device.type in ("xpu", "cuda") else device, group)
+
+    monkeypatch.setattr(torch.xpu, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(vae_gather, "allocate_bytes", allocate)
+    return asked

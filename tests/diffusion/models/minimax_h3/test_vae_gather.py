@@ -4,8 +4,9 @@
 
 from __future__ import annotations
 
+import gc
 import logging
-import types
+import weakref
 
 import pytest
 import torch
@@ -16,7 +17,6 @@ from vllm_omni.diffusion.models.minimax_h3.vae_gather import (
     get_tile_gather,
     install_tile_gather_reuse,
     remove_tile_gather_reuse,
-    workspace_bytes,
 )
 
 from .fake_collective import ThreadWorld
@@ -68,7 +68,7 @@ def test_send_and_receive_stay_in_one_allocation_across_calls_and_smaller_geomet
         assert all(c.send_alloc == c.recv_alloc for c in calls)  # in place: send lies inside receive
         # Two allocations for the life of the adapter: the workspace (sized by the first, largest call) and the
         # headers' buffer; no call hands the collective anything else.
-        assert {c.recv_alloc for c in calls} == {gather.workspace.data_ptr, gather._headers.data_ptr}
+        assert {c.recv_alloc for c in calls} == {gather.workspace.data_ptr, gather._headers.data_ptr()}
         assert gather.stats()["allocs"] == 1
 
 
@@ -81,7 +81,8 @@ def test_workspace_grows_only_when_a_larger_geometry_arrives(fake_collective):
         gather_on_every_rank(world, adapters, num_tiles)
         sizes.append((gather.stats()["allocs"], gather.workspace.nbytes))
 
-    small, large = (workspace_bytes(4, n, TILE_SHAPE, torch.float32) for n in (8, 28))
+    # A (3, 2, 4, 4) float32 tile is 384 bytes; 4 slots of ceil(n / 4) tiles, each slot a multiple of 128 bytes.
+    small, large = 4 * 2 * 384, 4 * 7 * 384
     assert sizes == [(1, small), (1, small), (1, small), (2, large), (2, large), (2, large), (2, large)]
     stats = gather.stats()
     assert stats["hits"] == 5 and stats["allocs"] == 2
@@ -96,7 +97,7 @@ def test_mixed_dtypes_share_one_workspace(fake_collective):
     gather_on_every_rank(world, adapters, 8, dtype=torch.float16)
     gather = get_tile_gather(adapters[1])
     assert gather.stats()["allocs"] == 1 and gather.stats()["hits"] == 2
-    assert {c.recv_alloc for c in world.calls if c.rank == 1} == {gather.workspace.data_ptr, gather._headers.data_ptr}
+    assert {c.recv_alloc for c in world.calls if c.rank == 1} == {gather.workspace.data_ptr, gather._headers.data_ptr()}
 
 
 @pytest.mark.parametrize("num_tiles,sp_size", [(8, 4), (4, 4), (9, 4)])
@@ -162,7 +163,7 @@ def test_backend_that_allocates_registered_memory_provides_the_workspace(monkeyp
         ("0", "xpu", False),
     ],
 )
-def test_env_mode_decides_where_the_override_is_installed(monkeypatch, env, device, installed):
+def test_env_mode_decides_where_the_override_is_installed(monkeypatch, device_stand_in, env, device, installed):
     if env is None:
         monkeypatch.delenv(REUSE_ENV, raising=False)
     else:
@@ -175,7 +176,7 @@ def test_env_mode_decides_where_the_override_is_installed(monkeypatch, env, devi
 
 
 @pytest.mark.parametrize("value", ["", "yes", "true", "2", "on", "xpu"])
-def test_bad_env_value_raises_naming_the_value(monkeypatch, value):
+def test_bad_env_value_raises_naming_the_value(monkeypatch, device_stand_in, value):
     monkeypatch.setenv(REUSE_ENV, value)
     with pytest.raises(ValueError, match=f"{REUSE_ENV}={value!r}.*'auto', '1' or '0'"):
         install_tile_gather_reuse(StandInAdapter("xpu"))
@@ -189,13 +190,86 @@ def test_explicit_enabled_overrides_the_env(monkeypatch):
 
 
 def test_install_is_idempotent_and_binds_on_the_instance_only():
+    class_method = StandInCheckpoint.__dict__["_all_gather_tiled_results"]
     adapter, other = StandInAdapter(), StandInAdapter()
     assert install_tile_gather_reuse(adapter, enabled=True)
     gather = get_tile_gather(adapter)
     assert install_tile_gather_reuse(adapter, enabled=True)
-    assert get_tile_gather(adapter) is gather
-    assert StandInCheckpoint.__dict__["_all_gather_tiled_results"] is not gather
-    assert isinstance(other.model._all_gather_tiled_results, types.MethodType)
+    assert get_tile_gather(adapter) is gather and adapter.model._all_gather_tiled_results is gather
+    assert StandInCheckpoint.__dict__["_all_gather_tiled_results"] is class_method
+    assert other.model._all_gather_tiled_results.__func__ is class_method
+
+
+@pytest.mark.parametrize("env,device", [(None, "xpu"), ("1", "cpu"), ("1", "cuda")])
+def test_a_checkpoint_without_the_gather_is_logged_and_left_alone_under_the_env_switch(
+    monkeypatch, device_stand_in, gather_log, env, device
+):
+    monkeypatch.delenv(REUSE_ENV, raising=False) if env is None else monkeypatch.setenv(REUSE_ENV, env)
+    adapter = StandInAdapter(device)
+    adapter.model = torch.nn.Linear(1, 1)  # a VAE checkpoint of another make: no _all_gather_tiled_results
+    assert not install_tile_gather_reuse(adapter)
+    assert get_tile_gather(adapter) is None and device_stand_in == []  # nothing allocated
+    (warning,) = gather_log.messages(logging.WARNING)
+    assert "not installed, the checkpoint's gather stays: StandInAdapter (.model: Linear)" in warning
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_auto_mode_off_xpu_decides_before_looking_at_the_checkpoint(monkeypatch, gather_log, device):
+    monkeypatch.setenv(REUSE_ENV, "auto")
+    adapter = StandInAdapter(device)
+    adapter.model = None  # would be a TypeError if it were looked at
+    assert not install_tile_gather_reuse(adapter)
+    assert gather_log.records == []
+
+
+def test_the_header_buffer_is_allocated_at_install_on_the_adapters_device(device_stand_in):
+    adapter = StandInAdapter("xpu")
+    assert install_tile_gather_reuse(adapter, enabled=True)
+    # One row of 14 int64 words for each of up to 256 ranks, on xpu:0 (the stand-in's current card).
+    assert device_stand_in == [torch.device("xpu", 0)]
+    assert get_tile_gather(adapter)._headers.nbytes == 256 * 14 * 8
+
+
+def test_the_gather_holds_its_adapter_weakly_so_del_frees_the_workspace_without_a_collection(fake_collective):
+    world = ThreadWorld(2)
+    adapters = ranks_with_gather(world)
+    gather_on_every_rank(world, adapters, 4)
+    gather = get_tile_gather(adapters[0])
+    adapter_ref, block_ref = weakref.ref(adapters[0]), weakref.ref(gather.workspace.block)
+    del gather
+    gc.disable()
+    try:
+        adapters[0] = None
+        assert adapter_ref() is None and block_ref() is None
+    finally:
+        gc.enable()
+
+
+def test_a_gather_whose_adapter_is_gone_raises_naming_the_missing_state():
+    adapter = StandInAdapter()
+    install_tile_gather_reuse(adapter, enabled=True)
+    gather = get_tile_gather(adapter)
+    del adapter
+    with pytest.raises(RuntimeError, match=r"parallel state None; expected ints"):
+        gather([make_share(0, 1, 1)[0]], 1)
+
+
+def test_resolve_device_names_the_current_card_when_the_index_is_left_out(monkeypatch):
+    monkeypatch.setattr(torch.xpu, "current_device", lambda: 3)  # stand-in: no XPU here
+    assert vae_gather.resolve_device("xpu") == torch.device("xpu", 3)
+    assert vae_gather.resolve_device("xpu:1") == torch.device("xpu", 1)
+    assert vae_gather.resolve_device("cpu") == torch.device("cpu")
+
+
+def test_growth_waits_for_the_device_before_the_old_block_is_freed(monkeypatch):
+    events = []
+    monkeypatch.setattr(vae_gather, "synchronize", lambda device: events.append(f"synchronize {device}"))
+    workspace = vae_gather.TileGatherWorkspace()
+    workspace.ensure(128, torch.device("cpu"), None)
+    weakref.finalize(workspace.block, events.append, "old block freed")
+    assert not workspace.ensure(64, torch.device("cpu"), None) and events == []
+    assert workspace.ensure(256, torch.device("cpu"), None)
+    assert events == ["synchronize cpu", "old block freed"]
 
 
 def test_removal_restores_the_checkpoint_method_exactly_and_drops_the_workspace(fake_collective):
@@ -225,7 +299,7 @@ def test_an_existing_instance_override_is_replaced_and_removal_restores_the_clas
 # Receipts
 
 
-def test_install_logs_one_info_line_with_device_and_mode(gather_log, monkeypatch):
+def test_install_logs_one_info_line_with_device_and_mode(gather_log, monkeypatch, device_stand_in):
     monkeypatch.setenv(REUSE_ENV, "auto")
     install_tile_gather_reuse(StandInAdapter("xpu"))
     install_tile_gather_reuse(StandInAdapter("cpu"), enabled=True)
@@ -241,7 +315,7 @@ def test_each_gather_logs_one_debug_line_with_its_quantities(fake_collective, ga
         gather_on_every_rank(world, adapters, num_tiles)
     lines = gather_log.messages(logging.DEBUG)  # two ranks per call, calls in sequence
     assert [line.split()[1] for line in lines] == ["reuse=alloc"] * 2 + ["reuse=hit"] * 2 + ["reuse=alloc"] * 2
-    need = workspace_bytes(2, 8, TILE_SHAPE, torch.float32)
+    need = 2 * 4 * 384  # two slots of four 384-byte tiles
     assert all(f"geometry=sp2/8x(3, 2, 4, 4)/torch.float32 workspace_bytes={need} " in line for line in lines[4:])
     assert all(line.endswith("hits=1 allocs=1") for line in lines[2:4])
     assert all(line.endswith("hits=1 allocs=2") for line in lines[4:])
@@ -253,16 +327,25 @@ def test_reserve_sizes_the_workspace_ahead_and_the_first_gather_is_a_hit(fake_co
     world = ThreadWorld(4)
     adapters = ranks_with_gather(world)
     for adapter in adapters:
-        reserved = get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28)
-        assert reserved == workspace_bytes(4, 28, TILE_SHAPE, torch.float32)
+        assert get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28) == 4 * 7 * 384
+        assert get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28) == 4 * 7 * 384  # again: no new block
     gather_on_every_rank(world, adapters, 9)
     gather_on_every_rank(world, adapters, 28)
     assert get_tile_gather(adapters[2]).stats() | {"geometries": None, "workspace_ptr": None} == {
         "hits": 2,
         "allocs": 1,
-        "workspace_bytes": reserved,
+        "workspace_bytes": 4 * 7 * 384,
         "workspace_ptr": None,
         "geometries": None,
     }
     get_tile_gather(adapters[2]).release()
     assert get_tile_gather(adapters[2]).workspace.nbytes == 0
+
+
+def test_reserve_sizes_for_the_adapters_own_group_and_needs_it_set():
+    adapter = StandInAdapter(state={"sp_size": 2, "sp_rank": 0, "sp_process_group": ThreadWorld(2).group(0)})
+    install_tile_gather_reuse(adapter, enabled=True)
+    assert get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28) == 2 * 14 * 384
+    adapter.state = {}
+    with pytest.raises(RuntimeError, match=r"parallel state \{\}; expected ints 0 <= sp_rank < sp_size"):
+        get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28)

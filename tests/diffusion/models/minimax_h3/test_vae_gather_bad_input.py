@@ -61,37 +61,59 @@ def _still_in_step(world, adapters):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
-def test_bad_input_on_one_rank_raises_the_same_value_error_on_every_rank(case):
+def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank(case):
     world = ThreadWorld(WORLD)
     adapters = ranks_with_gather(world)
     outcomes = _gather_each(world, adapters, [inputs_for(case, r) for r in range(WORLD)])
-    _same_error_everywhere(outcomes, ValueError, case.pattern)
+    _same_error_everywhere(outcomes, {"ValueError": ValueError, "RuntimeError": RuntimeError}[case.kind], case.pattern)
     _still_in_step(world, adapters)
 
 
-def test_a_workspace_that_one_rank_cannot_allocate_raises_out_of_memory_on_every_rank(monkeypatch):
+def test_a_local_failure_is_the_cause_of_the_error_on_its_own_rank_only():
     world = ThreadWorld(WORLD)
     adapters = ranks_with_gather(world)
-    real = vae_gather.allocate_bytes
-    need = vae_gather.workspace_bytes(WORLD, NUM_TILES, SHAPE, torch.float32)
+    (case,) = [c for c in CASES if c.id == "copy-in-raises"]
+    outcomes = _gather_each(world, adapters, [inputs_for(case, r) for r in range(WORLD)])
+    causes = [str(o.__cause__) if o.__cause__ else None for o in outcomes]
+    assert causes == [None, None, "injected: the copy-in failed", None]
 
-    def fail_on_rank_2_once(nbytes, device, group):
-        if group.rank() == 2 and nbytes == need and not fail_on_rank_2_once.done:
-            fail_on_rank_2_once.done = True
+
+def test_no_memory_on_one_rank_raises_out_of_memory_on_every_rank_and_the_gather_allocates_nothing_else(monkeypatch):
+    world = ThreadWorld(WORLD)
+    adapters = ranks_with_gather(world)  # the header buffers are allocated here, at install
+    real, asked = vae_gather.allocate_bytes, []
+
+    def rank_2_has_no_memory(nbytes, device, group):
+        asked.append((group.rank(), nbytes))
+        if group.rank() == 2 and rank_2_has_no_memory.armed:
             raise torch.OutOfMemoryError("injected: out of device memory")
         return real(nbytes, device, group)
 
-    fail_on_rank_2_once.done = False
-    monkeypatch.setattr(vae_gather, "allocate_bytes", fail_on_rank_2_once)
+    rank_2_has_no_memory.armed = True
+    monkeypatch.setattr(vae_gather, "allocate_bytes", rank_2_has_no_memory)
     good = [(make_share(r, WORLD, NUM_TILES, shape=SHAPE), NUM_TILES) for r in range(WORLD)]
     outcomes = _gather_each(world, adapters, good)
+    # 9 tiles over 4 ranks: slots of 3 tiles of 384 bytes.
     _same_error_everywhere(
         outcomes,
         torch.OutOfMemoryError,
-        rf"rank\(s\) \[2\] could not allocate the {need} bytes .*VLLM_OMNI_H3_VAE_GATHER_REUSE=0",
+        r"rank\(s\) \[2\] could not allocate the 4608 bytes .*VLLM_OMNI_H3_VAE_GATHER_REUSE=0",
     )
+    assert sorted(asked) == [(0, 4608), (1, 4608), (2, 4608), (3, 4608)]  # the workspace, nothing else
     assert all(a.model.own_gather_calls == 0 for a in adapters)  # no fallback to a gather that needs more memory
+    rank_2_has_no_memory.armed = False
     _still_in_step(world, adapters)  # the next request allocates and succeeds
+
+
+def test_no_memory_for_the_header_buffer_fails_the_install_before_any_collective(monkeypatch):
+    def no_memory(nbytes, device, group):
+        raise torch.OutOfMemoryError(f"injected: {nbytes} bytes")
+
+    monkeypatch.setattr(vae_gather, "allocate_bytes", no_memory)
+    adapter = StandInAdapter()
+    with pytest.raises(torch.OutOfMemoryError, match="injected: 28672 bytes"):
+        install_tile_gather_reuse(adapter, enabled=True)
+    assert get_tile_gather(adapter) is None
 
 
 def test_removing_and_reinstalling_on_one_rank_only_keeps_every_rank_in_step():
@@ -134,7 +156,7 @@ def test_tiles_on_another_device_than_the_workspace_move_it_there():
     world = ThreadWorld(2)
     adapters = ranks_with_gather(world)
     for adapter in adapters:  # a workspace on another device ("meta" stands in for another card)
-        get_tile_gather(adapter).reserve(SHAPE, torch.float32, 4, device="meta")
+        get_tile_gather(adapter).workspace.ensure(4096, torch.device("meta"), None)
     shares = [make_share(r, 2, 4, shape=SHAPE) for r in range(2)]
     for tiles in gather_on_every_rank(world, adapters, 4, shape=SHAPE):
         assert_tiles_equal(tiles, oracle_gather(shares, 4))

@@ -42,6 +42,7 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
         return all(torch.equal(t, make_tile(g, shape=SHAPE)) for g, t in enumerate(tiles))
 
     outcomes: dict = {}
+    causes: dict = {}
 
     def record(case_id: str, run) -> None:
         start = time.monotonic()
@@ -50,33 +51,42 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
             outcome = ("ok", "")
         except Exception as exc:  # noqa: BLE001 - compared across ranks by the test
             outcome = (type(exc).__name__, str(exc))
+            causes[case_id] = None if exc.__cause__ is None else str(exc.__cause__)
         outcomes[case_id] = (*outcome, in_step(), time.monotonic() - start)
 
     for case in CASES:
         record(case.id, lambda case=case: gather(*inputs_for(case, rank)))
 
-    # Out of memory on one rank: its workspace cannot grow to the next geometry.
-    real_allocate = vae_gather.allocate_bytes
-    held = vae_gather.get_tile_gather(adapter).workspace.nbytes
+    # Out of memory on one rank: no allocation at all succeeds there while the next geometry needs a larger
+    # workspace. Every allocation a gather asks for is recorded: the header buffer was made at install.
+    real_allocate, asked = vae_gather.allocate_bytes, []
 
     def out_of_memory(nbytes, device, group):
-        if nbytes > held:
+        asked.append(nbytes)
+        if rank == BAD_RANK:
             raise torch.OutOfMemoryError("injected: out of device memory")
         return real_allocate(nbytes, device, group)
 
-    if rank == BAD_RANK:
+    def grow_without_memory() -> None:
         vae_gather.allocate_bytes = out_of_memory
-    try:
-        record("out-of-memory", lambda: gather(make_share(rank, world, 28, shape=SHAPE), 28))
-    finally:
-        vae_gather.allocate_bytes = real_allocate
+        try:
+            gather(make_share(rank, world, 28, shape=SHAPE), 28)
+        finally:
+            vae_gather.allocate_bytes = real_allocate
+
+    record("out-of-memory", grow_without_memory)
 
     # Remove and reinstall on one rank only: its new workspace must not disturb the others.
     if rank == 1:
         vae_gather.remove_tile_gather_reuse(adapter)
         vae_gather.install_tile_gather_reuse(adapter, enabled=True)
     record("reinstall-on-one-rank", lambda: None)
-    return {"outcomes": outcomes, "allocs": vae_gather.get_tile_gather(adapter).stats()["allocs"]}
+    return {
+        "outcomes": outcomes,
+        "causes": causes,
+        "asked": asked,
+        "allocs": vae_gather.get_tile_gather(adapter).stats()["allocs"],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -93,15 +103,21 @@ def _same_outcome_everywhere(reports, case_id):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda case: case.id)
-def test_bad_input_on_one_rank_raises_the_same_value_error_on_every_rank_and_nobody_hangs(reports, case):
+def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank_and_nobody_hangs(reports, case):
     kind, message = _same_outcome_everywhere(reports, case.id)
-    assert kind == "ValueError" and re.search(case.pattern, message), message
+    assert kind == case.kind and re.search(case.pattern, message), message
+
+
+def test_a_copy_in_that_fails_on_one_rank_is_the_cause_there_only(reports):
+    assert [r["causes"]["copy-in-raises"] for r in reports] == [None, None, "injected: the copy-in failed", None]
 
 
 def test_out_of_memory_on_one_rank_raises_on_every_rank_naming_it_and_the_off_switch(reports):
     kind, message = _same_outcome_everywhere(reports, "out-of-memory")
     assert kind == "OutOfMemoryError"
-    assert re.search(r"rank\(s\) \[2\] could not allocate the \d+ bytes .*VLLM_OMNI_H3_VAE_GATHER_REUSE=0", message)
+    # 28 tiles over 4 ranks: slots of 7 tiles of 384 bytes.
+    assert re.search(r"rank\(s\) \[2\] could not allocate the 10752 bytes .*VLLM_OMNI_H3_VAE_GATHER_REUSE=0", message)
+    assert all(r["asked"] == [10752] for r in reports)  # the workspace only: no header allocation in a gather
 
 
 def test_a_reinstall_on_one_rank_leaves_every_rank_in_step(reports):

@@ -3,15 +3,17 @@
 """Tile gather for the MiniMax-H3 video VAE that reuses one workspace across requests.
 
 The checkpoint's ``_all_gather_tiled_results`` hands the collective new send and receive buffers on
-every call; oneCCL registers each new allocation and keeps it, so XPU memory outside PyTorch grows
-every request. Here each rank copies its tiles into its slot of a reused workspace and all-gathers in
-place, as PyTorch FSDP2 does: the collective sees the same allocations, request after request.
+every call. oneCCL registers the allocations it is handed, and after ``empty_cache()`` each request's
+buffers are new ones, so XPU memory outside PyTorch grows with every request. Here each rank copies its
+tiles into its slot of a reused workspace and all-gathers in place, as PyTorch FSDP2 does: the
+collective sees the same allocations, request after request.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -27,12 +29,15 @@ REUSE_ENV = "VLLM_OMNI_H3_VAE_GATHER_REUSE"
 _GATHER_ATTR = "_all_gather_tiled_results"
 _ALIGN = 128  # slots start aligned for any dtype view
 _MAX_DIMS = 8
-# Header dtype codes are positions in this table, so they do not move when torch adds a dtype.
+MAX_RANKS = 256  # the header buffer, allocated at install, has a row for each of up to this many ranks
+# Header codes are positions in these tables, so they do not move when torch adds a dtype or a device.
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_OK, _MIXED, _UNSUPPORTED, _NO_MEMORY = range(4)
+_DEVICE_TYPES = ("cpu", "cuda", "xpu", "hpu", "meta")
+_OK, _MIXED, _UNSUPPORTED, _NO_MEMORY, _LOCAL_ERROR = range(5)
 _PROBLEMS = {
     _MIXED: "tiles that are not tensors of one shape, dtype and device",
-    _UNSUPPORTED: f"tiles of a dtype other than {[str(d) for d in _DTYPES]} or of more than {_MAX_DIMS} dims",
+    _UNSUPPORTED: f"tiles of a dtype other than {[str(d) for d in _DTYPES]}, of more than {_MAX_DIMS} dims "
+    f"or on a device type other than {list(_DEVICE_TYPES)}",
 }
 
 
@@ -52,6 +57,19 @@ def slot_bytes(sp_size: int, num_tiles: int, tile_shape: Sequence[int], dtype: t
 
 def workspace_bytes(sp_size: int, num_tiles: int, tile_shape: Sequence[int], dtype: torch.dtype) -> int:
     return sp_size * slot_bytes(sp_size, num_tiles, tile_shape, dtype)
+
+
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``xpu`` as ``xpu:<current>``, so that one card is never taken for two."""
+    device = torch.device(device)
+    if device.index is not None or device.type in ("cpu", "meta"):
+        return device
+    return torch.device(device.type, torch.get_device_module(device.type).current_device())
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type not in ("cpu", "meta"):
+        torch.get_device_module(device.type).synchronize(device)
 
 
 def allocate_bytes(nbytes: int, device: torch.device, group: Any) -> torch.Tensor:
@@ -86,12 +104,21 @@ class TileGatherWorkspace:
 
     def ensure(self, nbytes: int, device: torch.device, group: Any) -> bool:
         """Hold at least ``nbytes`` on ``device``; returns whether that took a new allocation."""
+        device = resolve_device(device)
         if self.block is not None and self.block.device == device and self.block.numel() >= nbytes:
             return False
-        self.block = None  # drop the old block first, so that old and new never coexist
+        self.drop()
         self.block = allocate_bytes(nbytes, device, group)
         self.allocs += 1
         return True
+
+    def drop(self) -> None:
+        """Free the block once the device is done with it: old and new blocks never coexist."""
+        if self.block is not None:
+            # The previous gather's collective and copy-out were queued on the current stream; the host
+            # sync makes sure they finished before the block can be handed to another allocation.
+            synchronize(self.block.device)
+            self.block = None
 
 
 @dataclass(frozen=True)
@@ -102,16 +129,17 @@ class _Header:
     count: int
     problem: int = _OK
     dtype: int = -1  # position in _DTYPES
+    device: int = -1  # position in _DEVICE_TYPES
     shape: tuple[int, ...] = ()
-    WORDS = 5 + _MAX_DIMS
+    WORDS = 6 + _MAX_DIMS
 
     def encode(self) -> list[int]:
-        words = [self.num_tiles, self.count, self.problem, self.dtype, len(self.shape), *self.shape]
+        words = [self.num_tiles, self.count, self.problem, self.dtype, self.device, len(self.shape), *self.shape]
         return words + [0] * (self.WORDS - len(words))
 
     @classmethod
     def decode(cls, words: list[int]) -> _Header:
-        return cls(*words[:4], shape=tuple(words[5 : 5 + words[4]]))
+        return cls(*words[:5], shape=tuple(words[6 : 6 + words[5]]))
 
 
 def _describe(tasks: Sequence[Any], num_tiles: Any) -> _Header:
@@ -122,15 +150,26 @@ def _describe(tasks: Sequence[Any], num_tiles: Any) -> _Header:
     kind = (first.shape, first.dtype, first.device) if isinstance(first, torch.Tensor) else None
     if kind is None or any(not isinstance(t, torch.Tensor) or (t.shape, t.dtype, t.device) != kind for t in tasks):
         return replace(header, problem=_MIXED)
-    if first.dtype not in _DTYPES or first.dim() > _MAX_DIMS:
+    if first.dtype not in _DTYPES or first.dim() > _MAX_DIMS or first.device.type not in _DEVICE_TYPES:
         return replace(header, problem=_UNSUPPORTED)
-    return replace(header, dtype=_DTYPES.index(first.dtype), shape=tuple(first.shape))
+    return replace(
+        header,
+        dtype=_DTYPES.index(first.dtype),
+        device=_DEVICE_TYPES.index(first.device.type),
+        shape=tuple(first.shape),
+    )
 
 
 def _agree(headers: list[_Header]) -> None:
     """Every rank runs this on the same headers, so every rank raises the same error, or none does."""
     sp_size = len(headers)
     prefix = f"MiniMax-H3 tile gather over sp_size={sp_size}:"
+
+    def ranks_with(problem: int) -> list[int]:
+        return [r for r, h in enumerate(headers) if h.problem == problem]
+
+    if failed := ranks_with(_LOCAL_ERROR):
+        raise RuntimeError(f"{prefix} rank(s) {failed} failed before the exchange; the cause is in their traceback")
     num_tiles = {h.num_tiles for h in headers}
     if len(num_tiles) > 1 or min(num_tiles) < sp_size:
         raise ValueError(
@@ -139,12 +178,17 @@ def _agree(headers: list[_Header]) -> None:
         )
     n = num_tiles.pop()
     for problem, what in _PROBLEMS.items():
-        if ranks := [r for r, h in enumerate(headers) if h.problem == problem]:
+        if ranks := ranks_with(problem):
             raise ValueError(f"{prefix} rank(s) {ranks} hold {what}")
     if wrong := [f"rank {r} holds {h.count}" for r, h in enumerate(headers) if h.count != len(range(r, n, sp_size))]:
         raise ValueError(
             f"{prefix} {'; '.join(wrong)} tile(s); round-robin ownership of {n} tiles gives rank r "
             f"len(range(r, {n}, {sp_size})) tiles"
+        )
+    if len({h.device for h in headers}) > 1:
+        raise ValueError(
+            f"{prefix} ranks hold tiles on different device types {[_DEVICE_TYPES[h.device] for h in headers]}; "
+            "expected every rank's tiles on its own device of one type"
         )
     if len({(h.dtype, h.shape) for h in headers}) > 1:
         raise ValueError(
@@ -152,12 +196,20 @@ def _agree(headers: list[_Header]) -> None:
             f"{[f'{_DTYPES[h.dtype]}{list(h.shape)}' for h in headers]}; the checkpoint's decoder makes tiles of "
             f"one shape. Set {REUSE_ENV}=0 to use the checkpoint's variable-shape gather"
         )
-    if short := [r for r, h in enumerate(headers) if h.problem == _NO_MEMORY]:
+    if short := ranks_with(_NO_MEMORY):
         raise torch.OutOfMemoryError(
             f"{prefix} rank(s) {short} could not allocate the "
             f"{workspace_bytes(sp_size, n, headers[0].shape, _DTYPES[headers[0].dtype])} bytes of the tile-gather "
             f"workspace. Free device memory, or set {REUSE_ENV}=0 to use the checkpoint's gather"
         )
+
+
+def _weak(fn: Callable[[], Mapping]) -> Callable[[], Mapping | None]:
+    """A bound method held weakly (the adapter owns the gather, not the reverse); other callables as they are."""
+    if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
+        method = weakref.WeakMethod(fn)
+        return lambda: None if (bound := method()) is None else bound()
+    return fn
 
 
 class TileGatherReuse:
@@ -169,37 +221,37 @@ class TileGatherReuse:
     """
 
     def __init__(self, parallel_state: Callable[[], Mapping], device: torch.device) -> None:
-        self._parallel_state = parallel_state
-        self._default_device = device
+        self._parallel_state = _weak(parallel_state)
+        self.device = resolve_device(device)
         self.workspace = TileGatherWorkspace()
-        self._headers = TileGatherWorkspace()
+        # Allocated now: no rank may need memory before the exchange that tells its peers it failed.
+        self._headers = allocate_bytes(MAX_RANKS * _Header.WORDS * 8, self.device, None).view(torch.int64)
         self._hits = 0
         self._geometries: Counter[str] = Counter()
 
     @torch.no_grad()  # a tile that requires grad must not fail one rank alone
     def __call__(self, tasks: list[torch.Tensor], num_tiles: int) -> list[torch.Tensor]:
         size, rank, group = self._read_parallel()
-        mine = _describe(tasks, num_tiles)
-        device = tasks[0].device if mine.dtype >= 0 else self._default_device
-        if mine.dtype >= 0 and mine.num_tiles >= size and mine.count == len(range(rank, num_tiles, size)):
-            dtype, shape = _DTYPES[mine.dtype], mine.shape
-            slot = slot_bytes(size, num_tiles, shape, dtype)
-            try:
-                grew = self.workspace.ensure(size * slot, device, group)
-            except torch.OutOfMemoryError:
-                mine = replace(mine, problem=_NO_MEMORY)
-            else:  # copy-in: this rank's tiles into its own slot, which is the collective's input
-                slots = self.workspace.block[: size * slot].view(size, slot)
-                share = slots[rank].view(dtype)[: mine.count * math.prod(shape)]
-                torch.stack(tasks, out=share.view(mine.count, *shape))
+        mine, grew, error = _Header(-1, -1, _LOCAL_ERROR), False, None
+        try:
+            mine = _describe(tasks, num_tiles)
+            if mine.dtype >= 0 and mine.num_tiles >= size and mine.count == len(range(rank, num_tiles, size)):
+                grew = self._copy_in(tasks, mine, size, rank, group)
+        except Exception as exc:  # any local failure is told to the peers below, never left for them to wait on
+            error = exc
+            mine = replace(mine, problem=_NO_MEMORY if isinstance(exc, torch.OutOfMemoryError) else _LOCAL_ERROR)
 
-        self._headers.ensure(size * _Header.WORDS * 8, device, group)
-        headers = self._headers.block[: size * _Header.WORDS * 8].view(torch.int64).view(size, -1)
+        headers = self._headers[: size * _Header.WORDS].view(size, -1)
         headers[rank].copy_(torch.tensor(mine.encode(), dtype=torch.int64))
         all_gather_in_place(headers.view(-1), rank, group)
-        _agree([_Header.decode(row) for row in headers.tolist()])  # the one host sync; raises on every rank
+        try:
+            _agree([_Header.decode(row) for row in headers.tolist()])  # the one host sync; raises on every rank
+        except Exception as agreed:
+            raise agreed from error
 
-        # Past _agree every rank, this one included, has filled its slot (slots, dtype, shape, grew are set).
+        # Past _agree every rank, this one included, has filled its slot.
+        dtype, shape = _DTYPES[mine.dtype], mine.shape
+        slots = self._slots(size, num_tiles, shape, dtype)
         all_gather_in_place(slots.view(-1), rank, group)
         rows = math.ceil(num_tiles / size)
         shares = slots.view(dtype)[:, : rows * math.prod(shape)].view(size, rows, *shape).clone()
@@ -217,17 +269,29 @@ class TileGatherReuse:
         )
         return [shares[g % size, g // size] for g in range(num_tiles)]
 
+    def _slots(self, size: int, num_tiles: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        slot = slot_bytes(size, num_tiles, shape, dtype)
+        return self.workspace.block[: size * slot].view(size, slot)
+
+    def _copy_in(self, tasks: list[torch.Tensor], mine: _Header, size: int, rank: int, group: Any) -> bool:
+        """This rank's tiles into its own slot, the collective's input; returns whether the workspace grew."""
+        dtype, shape = _DTYPES[mine.dtype], mine.shape
+        grew = self.workspace.ensure(workspace_bytes(size, mine.num_tiles, shape, dtype), tasks[0].device, group)
+        share = self._slots(size, mine.num_tiles, shape, dtype)[rank].view(dtype)[: mine.count * math.prod(shape)]
+        torch.stack(tasks, out=share.view(mine.count, *shape))
+        return grew
+
     def _read_parallel(self) -> tuple[int, int, Any]:
         state = self._parallel_state()
         size, rank, group = (
             state.get(k) if isinstance(state, Mapping) else None for k in ("sp_size", "sp_rank", "sp_process_group")
         )
-        valid = isinstance(size, int) and isinstance(rank, int) and 0 <= rank < size
+        valid = isinstance(size, int) and isinstance(rank, int) and 0 <= rank < size <= MAX_RANKS
         if not valid or (size > 1 and (group is None or group.size() != size)):
             raise RuntimeError(
-                f"MiniMax-H3 tile gather: parallel state {state!r}; expected ints 0 <= sp_rank < sp_size and, "
-                "when sp_size > 1, an sp_process_group of sp_size ranks, as MiniMaxH3VideoVAE.set_parallel_size "
-                "fills it once torch.distributed is initialised"
+                f"MiniMax-H3 tile gather: parallel state {state!r}; expected ints 0 <= sp_rank < sp_size <= "
+                f"{MAX_RANKS} and, when sp_size > 1, an sp_process_group of sp_size ranks, as "
+                "MiniMaxH3VideoVAE.set_parallel_size fills it once torch.distributed is initialised"
             )
         return size, rank, group
 
@@ -240,16 +304,15 @@ class TileGatherReuse:
             "geometries": dict(self._geometries),
         }
 
-    def reserve(self, tile_shape: Sequence[int], dtype: torch.dtype, num_tiles: int, *, sp_size=None, device=None):
-        """Size the workspace for a geometry before the first request; returns its bytes."""
-        state = self._parallel_state()
-        nbytes = workspace_bytes(sp_size or state["sp_size"], num_tiles, tile_shape, dtype)
-        self.workspace.ensure(nbytes, torch.device(device or self._default_device), state.get("sp_process_group"))
+    def reserve(self, tile_shape: Sequence[int], dtype: torch.dtype, num_tiles: int) -> int:
+        """Size the workspace for a geometry on the adapter's device and group; returns its bytes."""
+        size, _, group = self._read_parallel()
+        self.workspace.ensure(workspace_bytes(size, num_tiles, tile_shape, dtype), self.device, group)
         return self.workspace.nbytes
 
     def release(self) -> None:
         """Drop the workspace, at shutdown; the next gather allocates a new one."""
-        self.workspace.block = self._headers.block = None
+        self.workspace.drop()
 
 
 def get_tile_gather(adapter: Any) -> TileGatherReuse | None:
@@ -261,16 +324,10 @@ def get_tile_gather(adapter: Any) -> TileGatherReuse | None:
 def install_tile_gather_reuse(adapter: Any, *, enabled: bool | None = None) -> bool:
     """Bind the reusing gather on ``adapter.model``; returns whether it is installed.
 
-    ``enabled=None`` follows ``VLLM_OMNI_H3_VAE_GATHER_REUSE``. Bound on the instance, not the class:
-    the class is remote code shared by every component loaded from the checkpoint. Idempotent.
+    ``enabled=None`` follows ``VLLM_OMNI_H3_VAE_GATHER_REUSE``; there a checkpoint without the gather is
+    logged and left alone, while ``enabled=True`` raises for it. Bound on the instance, not the class: the
+    class is remote code shared by every component loaded from the checkpoint. Idempotent.
     """
-    checkpoint, state = getattr(adapter, "model", None), getattr(adapter, "_native_parallel_state", None)
-    if not callable(getattr(type(checkpoint), _GATHER_ATTR, None)) or not callable(state):
-        raise TypeError(
-            f"install_tile_gather_reuse: {type(adapter).__name__} (.model: {type(checkpoint).__name__}); expected a "
-            f"MiniMaxH3VideoVAE with _native_parallel_state() whose .model, the checkpoint's AutoencoderKL, has "
-            f"{_GATHER_ATTR}"
-        )
     if get_tile_gather(adapter) is not None:
         return True
     device = torch.device(getattr(adapter, "_device_target", "cpu"))
@@ -278,6 +335,16 @@ def install_tile_gather_reuse(adapter: Any, *, enabled: bool | None = None) -> b
     if enabled is None:
         enabled = mode == "1" or (mode == "auto" and device.type == "xpu")
     if not enabled:
+        return False
+    checkpoint, state = getattr(adapter, "model", None), getattr(adapter, "_native_parallel_state", None)
+    if not callable(getattr(type(checkpoint), _GATHER_ATTR, None)) or not callable(state):
+        problem = (
+            f"{type(adapter).__name__} (.model: {type(checkpoint).__name__}); expected a MiniMaxH3VideoVAE with "
+            f"_native_parallel_state() whose .model, the checkpoint's AutoencoderKL, has {_GATHER_ATTR}"
+        )
+        if mode == "forced":
+            raise TypeError(f"install_tile_gather_reuse: {problem}")
+        logger.warning("[H3_VAE_GATHER] tile gather reuse not installed, the checkpoint's gather stays: %s", problem)
         return False
     previous = vars(checkpoint).get(_GATHER_ATTR)
     setattr(checkpoint, _GATHER_ATTR, TileGatherReuse(state, device))

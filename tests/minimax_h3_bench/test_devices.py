@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minimax_h3_gather import devices
+from minimax_h3_bench import devices
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 

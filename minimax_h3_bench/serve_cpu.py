@@ -6,7 +6,7 @@ CPU ranks need the test-only vLLM-Omni platform in ``tests/cpu_platform`` (``scr
 it into the CPU venvs; the product never does). Run as a script, it serves the tiny checkpoint, sends one
 text-to-video+audio request and prints where the gather fix was applied:
 
-    python -m minimax_h3_gather.serve_cpu --output-dir out/serve_cpu
+    python -m minimax_h3_bench.serve_cpu --output-dir out/serve_cpu
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def default_cache_dir() -> Path:
     value = os.environ.get(CACHE_ENV)
     if value is not None and not value.strip():
         raise ValueError(f"{CACHE_ENV} is set but empty; expected a directory path")
-    return Path(value) if value else Path.home() / ".cache" / "minimax_h3_gather"
+    return Path(value) if value else Path.home() / ".cache" / "minimax_h3_bench"
 
 
 def build_once(target: Path, write: Callable[[Path], None], marker: str) -> Path:
