@@ -119,8 +119,9 @@ def register() -> None:
     ledger = CollectiveLedger(limit=None, classify=classify, hold_buffers=on_cpu)
     mark = _marking_releases(ledger)
     platform = type(current_omni_platform)
-    platform_empty_cache = mark(platform.empty_cache)
-    platform.empty_cache = classmethod(lambda cls: platform_empty_cache())
+    if callable(getattr(platform, "empty_cache", None)):
+        platform_empty_cache = mark(platform.empty_cache)
+        platform.empty_cache = classmethod(lambda cls: platform_empty_cache())
     torch.accelerator.empty_cache = mark(torch.accelerator.empty_cache)
     forward = MiniMaxH3Pipeline.forward
 

@@ -52,6 +52,7 @@ COLLECTIVES = (
     "reduce",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "barrier",
     "send",
     "recv",
@@ -127,7 +128,7 @@ def _buffers(name: str, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], 
         return [tensor], [], sum(t.nbytes for t in outputs)
     if name in ("all_gather_into_tensor", "all_gather_single"):
         return [arg(1, "input_tensor")], [arg(0, "output_tensor")], 0
-    if name in ("all_to_all_single", "reduce_scatter_tensor"):
+    if name in ("all_to_all_single", "reduce_scatter_tensor", "reduce_scatter_single"):
         return [arg(1, "input")], [arg(0, "output")], 0
     if name == "all_to_all":
         return list(arg(1, "input_tensor_list")), list(arg(0, "output_tensor_list")), 0

@@ -123,9 +123,42 @@ def test_the_census_switch_is_strict(monkeypatch, tmp_path):
 
 
 def test_without_the_switch_the_plugin_hooks_nothing(monkeypatch):
-    from vllm_omni.diffusion.models.minimax_h3.pipeline_minimax_h3 import MiniMaxH3Pipeline
+    from vllm_omni.diffusion.models.minimax_h3 import pipeline_minimax_h3
+    from vllm_omni.platforms import current_omni_platform
 
     monkeypatch.delenv(census.CENSUS_ENV, raising=False)
-    forward = MiniMaxH3Pipeline.forward
     census.register()
-    assert MiniMaxH3Pipeline.forward is forward
+    chain = [pipeline_minimax_h3.MiniMaxH3Pipeline.forward]  # the release's own, under its own decorators only
+    while hasattr(chain[-1], "__wrapped__"):
+        chain.append(chain[-1].__wrapped__)
+    assert chain[-1].__code__.co_filename == pipeline_minimax_h3.__file__
+    assert not any(hasattr(fn, census._MARK) for fn in chain)
+    assert not hasattr(torch.accelerator.empty_cache, census._MARK)
+    assert not hasattr(getattr(type(current_omni_platform), "empty_cache", None), census._MARK)
+
+
+def test_an_empty_cache_inside_another_closes_one_release_window_not_two():
+    with CollectiveLedger(limit=None) as ledger:
+        mark = census._marking_releases(ledger)
+        inner = mark(lambda: None)
+        outer = mark(lambda: inner())  # the platform's empty_cache calling torch's
+        outer()
+        inner()
+        report = ledger.end_request()
+    assert report.releases == 2
+
+
+def test_qualname_before_python_3_11_comes_from_the_class_of_self_or_cls():
+    from types import SimpleNamespace
+
+    code = SimpleNamespace(co_name="decode_latent")  # no co_qualname, as on Python 3.10
+
+    class MiniMaxH3VideoVAE:
+        pass
+
+    assert census.qualname(code, {"self": MiniMaxH3VideoVAE()}).endswith("MiniMaxH3VideoVAE.decode_latent")
+    assert census.qualname(code, {"cls": MiniMaxH3VideoVAE}).endswith("MiniMaxH3VideoVAE.decode_latent")
+    assert census.qualname(code, {}) == "decode_latent"
+    assert census.qualname(test_qualname_before_python_3_11_comes_from_the_class_of_self_or_cls.__code__, {}) == (
+        "test_qualname_before_python_3_11_comes_from_the_class_of_self_or_cls"
+    )

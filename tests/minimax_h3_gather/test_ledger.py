@@ -105,6 +105,12 @@ def test_every_modelled_collective_is_observed_and_originals_come_back():
         dist.all_to_all_single(torch.empty(8), torch.ones(8))
         dist.broadcast(torch.ones(8), src=0)
         dist.gather(torch.ones(8), [torch.empty(8)], dst=0)
+        dist.scatter(torch.empty(8), [torch.ones(8)], src=0)
+        dist.reduce(torch.ones(8), dst=0)
+        dist.all_to_all([torch.empty(8)], [torch.ones(8)])
+        dist.reduce_scatter(torch.empty(8), [torch.ones(8)])
+        dist.reduce_scatter_tensor(torch.empty(8), torch.ones(8))
+        dist.reduce_scatter_single(torch.empty(8), torch.ones(8))
         dist.barrier()
         report = ledger.end_request()
     one_rank = set(COLLECTIVES) - POINT_TO_POINT  # a lone rank has no peer to send to
@@ -128,3 +134,31 @@ def test_ledger_cannot_be_entered_twice_and_rejects_a_bad_limit():
     for bad in (0, -1, 1.5, "1000"):
         with pytest.raises(ValueError, match=f"limit={bad!r}"):
             CollectiveLedger(limit=bad)
+
+
+def test_an_error_in_the_bookkeeping_is_logged_once_and_the_collective_still_runs(caplog):
+    def broken(frame):
+        raise KeyError("injected: bookkeeping failed")
+
+    values = torch.arange(8.0)
+    with CollectiveLedger(classify=broken) as ledger:
+        for _ in range(3):
+            dist.all_reduce(values)  # on one rank a sum leaves the values as they are: it ran, and was not booked
+        report = ledger.end_request()
+    assert torch.equal(values, torch.arange(8.0))
+    assert report.calls == 3 and report.new_registrations == 0 and report.bookkeeping_errors == 3
+    assert len([r for r in caplog.records if "could not book a all_reduce call" in r.getMessage()]) == 1
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_only_a_holding_ledger_keeps_a_buffer_alive_after_its_owner_drops_it(hold):
+    import weakref
+
+    with CollectiveLedger(hold_buffers=hold) as ledger:
+        buffer = torch.zeros(4096)
+        storage_ref = weakref.ref(buffer.untyped_storage())  # lives as long as the memory does
+        dist.all_reduce(buffer)
+        report = ledger.end_request()
+        del buffer
+        assert report.new_registrations == 1 and report.pinned_bytes == NBYTES  # booked by the model either way
+        assert (storage_ref() is not None) is hold

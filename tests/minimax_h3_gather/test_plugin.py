@@ -7,14 +7,20 @@ Loading plugins patches a class for the rest of the process, so each scenario ru
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import json
 import logging
-from importlib.metadata import entry_points
+import os
+import subprocess
+import sys
+from importlib.metadata import PathDistribution, entry_points
 
 import pytest
 
 from minimax_h3_bench.synthetic import build_synthetic_checkpoint
-from minimax_h3_gather import plugin
-from tests.utils import results_or_raise, run_ranks
+from minimax_h3_gather import overlay, plugin
+from tests.utils import REPO_ROOT, results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.integration]
 
@@ -118,3 +124,80 @@ def test_unexpected_adapter_warns_once_and_patches_nothing(monkeypatch, replacem
     if replacement is not None:
         assert replacement.__init__ is original_init
         assert "another shape" in warnings[0]
+
+
+_OTHER_MODEL_PROCESS = """
+import json, sys
+from vllm_omni.plugins import load_omni_general_plugins
+load_omni_general_plugins()
+loaded = sorted(m for m in sys.modules if ".minimax_h3" in m)
+from vllm_omni.diffusion.models.minimax_h3.vae import MiniMaxH3VideoVAE
+print(json.dumps({"loaded": loaded, "hooked": getattr(MiniMaxH3VideoVAE.__init__, "_minimax_h3_tile_gather_hook", 0)}))
+"""
+
+
+def test_loading_the_plugins_imports_no_minimax_h3_module_and_the_first_import_hooks_the_adapter():
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("VLLM_OMNI_", "VLLM_PLUGINS"))}
+    done = subprocess.run(
+        [sys.executable, "-c", _OTHER_MODEL_PROCESS],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"loaded": [], "hooked": True}
+
+
+def test_a_failure_inside_the_hook_is_logged_and_never_reaches_the_import(monkeypatch, caplog):
+    from vllm_omni.diffusion.models.minimax_h3 import vae
+
+    def broken(module):
+        raise RuntimeError("injected: the hook failed")
+
+    monkeypatch.setattr(plugin, "_adapter_class", broken)
+    plugin._hook_quietly(vae)
+    assert any("could not hook" in r.getMessage() and r.exc_info for r in caplog.records)
+
+
+def _fake_dist(root, name: str, version: str, content: bytes | None) -> PathDistribution:
+    """A distribution whose RECORD lists the overlay file with the hash of ``content`` (None: not listed)."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = [f"{info.name}/METADATA,,"]
+    if content is not None:
+        digest = base64.urlsafe_b64encode(hashlib.sha256(content).digest()).rstrip(b"=").decode()
+        lines.append(f"{overlay.OVERLAY_FILE},sha256={digest},{len(content)}")
+    (info / "RECORD").write_text("\n".join(lines) + "\n")
+    return PathDistribution(info)
+
+
+@pytest.mark.parametrize(
+    "omni_ships,expected",
+    [
+        (False, None),
+        (
+            True,
+            "vllm-omni 9.9.0 ships its own vllm_omni/diffusion/models/minimax_h3/vae_gather.py, as does "
+            "minimax-h3-vae-gather 0.3.0; the file on disk is minimax-h3-vae-gather 0.3.0's. Reinstall the one you "
+            "mean to run last",
+        ),
+    ],
+    ids=["release-without-the-file", "release-with-its-own-file"],
+)
+def test_a_release_that_ships_its_own_vae_gather_is_named_with_both_versions(
+    monkeypatch, tmp_path, omni_ships, expected
+):
+    ours = b"# ours\n"
+    target = tmp_path / overlay.OVERLAY_FILE
+    target.parent.mkdir(parents=True)
+    target.write_bytes(ours)  # pip installed ours last
+    dists = {
+        "vllm-omni": _fake_dist(tmp_path, "vllm-omni", "9.9.0", b"# upstream's\n" if omni_ships else None),
+        overlay.PROJECT_DIST: _fake_dist(tmp_path, overlay.PROJECT_DIST, "0.3.0", ours),
+    }
+    monkeypatch.setattr(overlay, "distribution", dists.__getitem__)
+    assert overlay.overlay_conflict() == expected
