@@ -26,7 +26,6 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, py
 
 
 def _load_plugins_and_build(rank: int, world: int, component: str, plugins: str | None) -> dict:
-    import os
 
     from minimax_h3_bench import harness
     from vllm_omni.diffusion.models.minimax_h3.vae import MiniMaxH3VideoVAE
