@@ -77,5 +77,5 @@ def test_media_are_byte_identical_with_the_fix_off(fix_on, fix_off):
 
 def test_the_server_shuts_down_cleanly_on_sigterm(fix_on, fix_off):
     # serve() raises if any process of the server's session outlives SIGTERM by 60 s.
-    assert fix_on["returncode"] is not None and fix_off["returncode"] is not None
+    assert (fix_on["returncode"], fix_off["returncode"]) == (0, 0)
     assert "Traceback" not in fix_on["log"] and "Traceback" not in fix_off["log"]
