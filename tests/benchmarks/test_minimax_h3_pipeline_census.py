@@ -33,6 +33,7 @@ SCHEMA = {
         "calls",
         "new_by_site",
         "releases",
+        "bookkeeping_errors",
         "timeline",
         "books",
     },
@@ -113,6 +114,7 @@ def test_census_json_schema_is_stable(census):
         assert set(summary["runs"][fix]) == SCHEMA["run"]
         for _, _, request in _requests(census, fix):
             assert set(request) == SCHEMA["request"]
+            assert request["bookkeeping_errors"] == 0  # every collective of the served request was booked
             assert set(request["books"]) <= set(COMPONENTS)
             assert all(set(b) == SCHEMA["books"] for sites in request["books"].values() for b in sites.values())
 

@@ -31,17 +31,20 @@ VARIANTS = 3  # latents per geometry and dtype
 
 
 def _soak_on_one_rank(rank: int, world: int, component: str, requests: int) -> dict:
+    import math
     import random
 
     import torch
 
     from minimax_h3_bench import harness
     from minimax_h3_gather.ledger import CollectiveLedger
-    from vllm_omni.diffusion.models.minimax_h3.vae_gather import (
-        get_tile_gather,
-        install_tile_gather_reuse,
-        workspace_bytes,
-    )
+    from vllm_omni.diffusion.models.minimax_h3.vae_gather import get_tile_gather, install_tile_gather_reuse
+
+    def workspace_bytes(world: int, num_tiles: int, tile_shape: tuple[int, ...], dtype) -> int:
+        """Written out here, not taken from the code under test: a slot per rank for the largest round-robin
+        share, each slot rounded up to 128 bytes."""
+        share = -(-num_tiles // world) * math.prod(tile_shape) * dtype.itemsize
+        return world * -(-share // 128) * 128
 
     harness.join_vllm_omni_world(rank, world)
     stock, fixed = harness.load_video_vae(component), harness.load_video_vae(component)

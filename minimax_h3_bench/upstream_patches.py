@@ -1,0 +1,172 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""The upstream change as ``git format-patch`` files against the released vLLM-Omni 0.30.0 package tree.
+
+vLLM-Omni publishes no sdist after 0.20.0, so the reference is the 0.30.0 wheel's ``vllm_omni`` tree, fetched
+fresh (the installed copy carries this project's overlay). Run from the 0.30.0 environment:
+
+    python -m minimax_h3_bench.upstream_patches check        # pristine tree, git apply --check, git apply
+    python -m minimax_h3_bench.upstream_patches test         # check, then the patch's tests and the serve test
+                                                             # against the patched tree, with the plugin off
+    python -m minimax_h3_bench.upstream_patches regenerate   # rewrite patches/ from this checkout's files
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from importlib.metadata import entry_points
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCHES = ROOT / "patches"
+RELEASE = "0.30.0"
+PLUGIN = "minimax_h3_vae_gather"
+TREE_ENV = "VLLM_OMNI_H3_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
+# What the first patch carries from this checkout, beside its hand-made change to vae.py.
+CARRIED = (
+    "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
+    *(
+        f"tests/diffusion/models/minimax_h3/{name}"
+        for name in (
+            "__init__.py",
+            "conftest.py",
+            "fake_collective.py",
+            "stand_ins.py",
+            "bad_input_cases.py",
+            "test_vae_gather.py",
+            "test_vae_gather_bad_input.py",
+        )
+    ),
+)
+UPSTREAM_TESTS = "tests/diffusion/models/minimax_h3"
+SERVE_TEST = "tests/e2e/test_minimax_h3_serve_cpu.py"
+# The tree has no pytest configuration of its own; upstream's registers these markers.
+PYTEST_INI = """[pytest]
+addopts = --strict-markers -q -p no:cacheprovider
+markers =
+    core_model: core functionality tests
+    cpu: runs on CPU only
+    diffusion: diffusion model tests
+"""
+_IDENTITY = {
+    "GIT_AUTHOR_NAME": "vLLM-Omni contributors",
+    "GIT_AUTHOR_EMAIL": "contributors@vllm-omni.invalid",
+    "GIT_COMMITTER_NAME": "vLLM-Omni contributors",
+    "GIT_COMMITTER_EMAIL": "contributors@vllm-omni.invalid",
+    "GIT_AUTHOR_DATE": "2026-12-03T00:00:00Z",
+    "GIT_COMMITTER_DATE": "2026-12-03T00:00:00Z",
+}
+
+
+def _git(tree: Path, *args: str) -> subprocess.CompletedProcess:
+    env = os.environ | _IDENTITY
+    return subprocess.run(["git", *args], cwd=tree, env=env, capture_output=True, text=True)
+
+
+def _git_ok(tree: Path, *args: str) -> str:
+    done = _git(tree, *args)
+    if done.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)} failed in {tree}:\n{done.stderr}")
+    return done.stdout
+
+
+def patch_files() -> list[Path]:
+    patches = sorted(PATCHES.glob("*.patch"))
+    if not patches:
+        raise SystemExit(f"no *.patch files in {PATCHES}")
+    return patches
+
+
+def pristine_tree(dest: Path) -> Path:
+    """The 0.30.0 wheel's ``vllm_omni`` package in a fresh git repository at ``dest``, one commit."""
+    with tempfile.TemporaryDirectory() as download:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"vllm-omni=={RELEASE}", "-d", download]
+        subprocess.run(command, check=True, capture_output=True)
+        (wheel,) = Path(download).glob("vllm_omni-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            archive.extractall(dest, [n for n in archive.namelist() if n.startswith("vllm_omni/")])
+    _git_ok(dest, "init", "-q")
+    _git_ok(dest, "add", "-A")
+    _git_ok(dest, "commit", "-q", "-m", f"vLLM-Omni {RELEASE} package tree, from the wheel")
+    return dest
+
+
+def apply_patches(tree: Path, patches: list[Path]) -> None:
+    """``git apply --check`` then ``git apply`` each patch in order; a patch that no longer applies stops here,
+    with git's own lines naming the file and the hunk."""
+    for patch in patches:
+        checked = _git(tree, "apply", "--check", "-v", str(patch))
+        if checked.returncode != 0:
+            failed = "\n".join(line for line in checked.stderr.splitlines() if line.startswith("error"))
+            raise SystemExit(f"{patch.name} no longer applies to vLLM-Omni {RELEASE}:\n{failed}")
+        _git_ok(tree, "apply", "--index", str(patch))
+        _git_ok(tree, "commit", "-q", "-m", f"apply {patch.name}")
+
+
+def regenerate(patches: list[Path]) -> list[Path]:
+    """Re-apply the patches as commits, refresh what they carry from this checkout, write them out again."""
+    with tempfile.TemporaryDirectory() as scratch:
+        tree = pristine_tree(Path(scratch))
+        _git_ok(tree, "am", "-q", *map(str, patches))
+        for relative in CARRIED:
+            target = tree / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / relative, target)
+        _git_ok(tree, "add", "-A")
+        if _git(tree, "diff", "--cached", "--quiet").returncode != 0:
+            _git_ok(tree, "commit", "-q", "--amend", "--no-edit")
+        for old in patches:
+            old.unlink()
+        out = _git_ok(tree, "format-patch", "-q", "--no-signature", "--zero-commit", "-o", str(PATCHES), "HEAD~1")
+        return [Path(line) for line in out.splitlines()]
+
+
+def plugins_without_ours() -> str:
+    """``VLLM_PLUGINS`` that loads every installed plugin but this project's fix."""
+    groups = ("vllm.general_plugins", "vllm.platform_plugins", "vllm_omni.general_plugins", "vllm_omni.platform_plugins")
+    names = {ep.name for group in groups for ep in entry_points(group=group)} - {PLUGIN}
+    return ",".join(sorted(names))
+
+
+def run_against(tree: Path) -> int:
+    """The patch's own tests in the patched tree, then the serve test, with that tree first and the plugin off."""
+    (tree / "pytest.ini").write_text(PYTEST_INI)
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "VLLM_PLUGINS": plugins_without_ours(),
+        TREE_ENV: str(tree),
+    }
+    for cwd, target in ((tree, UPSTREAM_TESTS), (ROOT, SERVE_TEST)):
+        print(f"[upstream] pytest {target} against {tree}", file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, "-m", "pytest", target], cwd=cwd, env=env)
+        if done.returncode != 0:
+            return done.returncode
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("action", choices=("check", "test", "regenerate"))
+    parser.add_argument("--tree", type=Path, help="where to lay the patched tree (default: a new temporary directory)")
+    args = parser.parse_args(argv)
+    patches = patch_files()
+    if args.action == "regenerate":
+        for written in regenerate(patches):
+            print(f"[upstream] wrote {written.relative_to(ROOT)}")
+        return 0
+    tree = args.tree or Path(tempfile.mkdtemp(prefix="vllm-omni-0.30.0-patched-"))
+    if tree.exists() and any(tree.iterdir()):
+        parser.error(f"--tree={tree}: expected a new or empty directory")
+    apply_patches(pristine_tree(tree), patches)
+    print(f"[upstream] {len(patches)} patch(es) apply to vLLM-Omni {RELEASE}: {tree}")
+    return run_against(tree) if args.action == "test" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
