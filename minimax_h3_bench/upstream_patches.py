@@ -129,7 +129,12 @@ def regenerate(patches: list[Path]) -> list[Path]:
 
 def plugins_without_ours() -> str:
     """``VLLM_PLUGINS`` that loads every installed plugin but this project's fix."""
-    groups = ("vllm.general_plugins", "vllm.platform_plugins", "vllm_omni.general_plugins", "vllm_omni.platform_plugins")
+    groups = (
+        "vllm.general_plugins",
+        "vllm.platform_plugins",
+        "vllm_omni.general_plugins",
+        "vllm_omni.platform_plugins",
+    )
     names = {ep.name for group in groups for ep in entry_points(group=group)} - {PLUGIN}
     return ",".join(sorted(names))
 

@@ -5,10 +5,12 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
 from pathlib import Path
 
 from minimax_h3_bench import ranks
+from minimax_h3_bench.upstream_patches import TREE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "vllm_omni" / "diffusion" / "models" / "minimax_h3"
@@ -19,10 +21,16 @@ def use_working_tree() -> None:
 
     With a released vLLM-Omni installed, its ``minimax_h3`` is a regular package and our folder (no
     ``__init__.py``, by design) is ignored; putting the folder first on the package's ``__path__`` fixes that.
+    With ``VLLM_OMNI_H3_UPSTREAM_TREE`` set, the code under test is that patched vLLM-Omni tree instead.
     """
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     import vllm_omni.diffusion.models.minimax_h3 as package
+
+    if (tree := os.environ.get(TREE_ENV)) is not None:
+        if not Path(package.__file__).resolve().is_relative_to(Path(tree).resolve()):
+            raise RuntimeError(f"{TREE_ENV}={tree!r}, but vllm_omni comes from {package.__file__}; put the tree first")
+        return
 
     if str(MODEL_DIR) not in package.__path__:
         package.__path__.insert(0, str(MODEL_DIR))

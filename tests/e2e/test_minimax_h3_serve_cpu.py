@@ -10,6 +10,8 @@ gather, and leave the returned media byte-identical to the run with the fix off.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from minimax_h3_bench import serve_cpu
@@ -23,6 +25,9 @@ pytestmark = [
     pytest.mark.integration,
 ]
 
+# The upstream patches' check filters this project's plugin out: then the adapter's own call must install the fix.
+_PLUGINS = os.environ.get("VLLM_PLUGINS")
+PLUGIN_HOOKS = serve_cpu.WORLD + 1 if _PLUGINS is None or "minimax_h3_vae_gather" in _PLUGINS.split(",") else 0
 PROMPTS = ("a red fox running through fresh snow", "waves breaking on a rocky shore", "a paper boat in the rain")
 
 
@@ -58,8 +63,8 @@ def test_every_request_returns_video_and_audio_of_the_requested_size(fix_on):
 
 def test_every_worker_hooked_and_installed_the_fix_once(fix_on):
     counts = serve_cpu.receipts(fix_on["log"])
-    # The API server process loads the general plugins too, so the hook logs once more than the workers.
-    assert counts["plugin_hooks"] == serve_cpu.WORLD + 1, serve_cpu.receipt_lines(fix_on["log"])
+    # The API server process imports the adapter's module too, so the hook logs once more than the workers.
+    assert counts["plugin_hooks"] == PLUGIN_HOOKS, serve_cpu.receipt_lines(fix_on["log"])
     assert counts["installs"] == serve_cpu.WORLD
 
 
@@ -72,7 +77,7 @@ def test_the_reused_workspace_served_every_vae_gather_of_every_request(fix_on):
 def test_media_are_byte_identical_with_the_fix_off(fix_on, fix_off):
     assert fix_on["media"] == fix_off["media"]
     counts = serve_cpu.receipts(fix_off["log"])
-    assert counts["plugin_hooks"] == serve_cpu.WORLD + 1 and counts["installs"] == 0 and counts["gathers"] == 0
+    assert counts["plugin_hooks"] == PLUGIN_HOOKS and counts["installs"] == 0 and counts["gathers"] == 0
 
 
 def test_the_server_shuts_down_cleanly_on_sigterm(fix_on, fix_off):

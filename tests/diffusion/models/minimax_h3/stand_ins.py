@@ -94,21 +94,3 @@ class RecordingHandler(logging.Handler):
 
     def messages(self, level: int) -> list[str]:
         return [r.getMessage() for r in self.records if r.levelno == level]
-
-
-def checkpoint_on_gloo_rank(rank: int, world: int):
-    """On a spawned gloo rank: the synthetic checkpoint's autoencoder (its gather is the checkpoint's
-    variable-shape list gather) behind an adapter-shaped object, parallel state filled as the adapter does."""
-    from types import SimpleNamespace
-
-    import torch.distributed as dist
-
-    from minimax_h3_bench.synthetic.remote_code import klvae, parallel
-
-    checkpoint = klvae.AutoencoderKL(4, 8, 8, 4, 2, 64, 16, True)
-    parallel.get_parallel_state().update(
-        sp_size=world, sp_rank=rank, sp_process_group=dist.group.WORLD, sp_enabled=True
-    )
-    return SimpleNamespace(
-        model=checkpoint, _device_target=torch.device("cpu"), _native_parallel_state=parallel.get_parallel_state
-    )

@@ -23,7 +23,8 @@ TILE_SHAPE = (3, 8, 16, 16)
 def _checks_on_one_rank(rank: int, world: int) -> dict:
     import types
 
-    from tests.diffusion.models.minimax_h3.stand_ins import checkpoint_on_gloo_rank, make_share, make_tile
+    from tests.diffusion.models.minimax_h3.gloo_checkpoint import checkpoint_on_gloo_rank
+    from tests.diffusion.models.minimax_h3.stand_ins import make_share, make_tile
     from vllm_omni.diffusion.models.minimax_h3.vae_gather import install_tile_gather_reuse
 
     adapter = checkpoint_on_gloo_rank(rank, world)

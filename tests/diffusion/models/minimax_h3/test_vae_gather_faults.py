@@ -28,7 +28,8 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
     import torch
 
     from tests.diffusion.models.minimax_h3.bad_input_cases import BAD_RANK, NUM_TILES, SHAPE, inputs_for
-    from tests.diffusion.models.minimax_h3.stand_ins import checkpoint_on_gloo_rank, make_share, make_tile
+    from tests.diffusion.models.minimax_h3.gloo_checkpoint import checkpoint_on_gloo_rank
+    from tests.diffusion.models.minimax_h3.stand_ins import make_share, make_tile
     from vllm_omni.diffusion.models.minimax_h3 import vae_gather
 
     adapter = checkpoint_on_gloo_rank(rank, world)
