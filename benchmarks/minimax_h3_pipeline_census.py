@@ -17,8 +17,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import sys
+import time
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -50,13 +52,18 @@ def serve_and_count(model: Path, out: Path, layout: str, fix: str, requests: int
     flags = (*COMMON_FLAGS, *LAYOUTS[layout])
     reuse = "1" if fix == "on" else "0"
     env = {CENSUS_ENV: str(run_dir)}
+    media, request_wall_s = [], []
     with serve_cpu.serve(model, run_dir / "server.log", reuse=reuse, flags=flags, env=env) as server:
-        media = [serve_cpu.request_video(server, PROMPT, seed=0) for _ in range(requests)]
+        for _ in range(requests):
+            start = time.perf_counter()
+            media.append(serve_cpu.request_video(server, PROMPT, seed=0))
+            request_wall_s.append(time.perf_counter() - start)
     ranks = [json.loads(p.read_text()) for p in sorted(run_dir.glob("census-rank*.json"))]
     if len(ranks) != serve_cpu.WORLD or any(len(r["requests"]) != requests for r in ranks):
         got = [len(r["requests"]) for r in ranks]
         raise RuntimeError(f"{run_dir}: expected {requests} requests from {serve_cpu.WORLD} ranks, got {got}")
-    return {"media_sha256": [hashlib.sha256(m).hexdigest() for m in media], "ranks": ranks}
+    digests = [hashlib.sha256(m).hexdigest() for m in media]
+    return {"media_sha256": digests, "ranks": ranks, "request_wall_s": request_wall_s}
 
 
 def by_component(request: dict[str, Any]) -> dict[str, dict[str, int]]:
@@ -134,6 +141,7 @@ def format_table(summary: dict[str, Any]) -> str:
         for index, request in enumerate(run["ranks"][0]["requests"], start=1):
             timeline = " > ".join(request["timeline"])
             text.append(f"fix {fix}, request {index}: {request['releases']} release(s); {timeline}")
+    text += [""] + format_timing(summary)
     proj = summary["projection"]
     if proj is None:
         text.append(f"media identical with the fix off and on: {summary['media_identical']}")
@@ -149,6 +157,18 @@ def format_table(summary: dict[str, Any]) -> str:
             text.append(f"  {component:>12}: fresh {fresh:10.1f} MiB, received {received:10.1f} MiB (x{scale:.1f})")
     text.append(f"media identical with the fix off and on: {summary['media_identical']}")
     return "\n".join(text)
+
+
+def format_timing(summary: dict[str, Any]) -> list[str]:
+    """Seconds per request, client wall and each rank's wall and CPU. Not a comparison of the fix: the servers
+    ran one after the other; the paired ratios are the VAE benchmark's."""
+    text = [f"seconds per request (not compared: the servers ran in turn; {os.cpu_count()} CPU core(s), 4 ranks)"]
+    lines = [["fix", "req", "client wall", *(f"rank {r} wall / CPU" for r in range(serve_cpu.WORLD))]]
+    for fix, run in summary["runs"].items():
+        for index, client in enumerate(run["request_wall_s"]):
+            ranks = [f"{r['timing'][index]['wall_s']:.2f} / {r['timing'][index]['cpu_s']:.2f}" for r in run["ranks"]]
+            lines.append([fix, str(index + 1), f"{client:.2f}", *ranks])
+    return text + report.align(lines)
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:

@@ -16,17 +16,21 @@ memory before and after every request. A micro-benchmark then times the gathers 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
+import os
+import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from minimax_h3_bench import devices, report
+from minimax_h3_bench import devices, report, stats
 from minimax_h3_bench.ranks import results_or_raise, run_ranks
 from minimax_h3_bench.strategies import STRATEGIES
 
@@ -42,6 +46,7 @@ class Config:
     micro_reps: int
     ledger_limit: int | None
     strategies: tuple[str, ...]
+    threads_per_rank: int  # torch intra-op threads: the cores shared out, so that ranks do not fight over them
 
 
 def _progress(rank: int, message: str) -> None:
@@ -56,22 +61,36 @@ def _synchronize(device) -> None:
     synchronize(device)
 
 
+class _Clock:
+    """Wall and CPU seconds of one timed span: CPU is this rank's whole process, gloo's threads included."""
+
+    def __init__(self, device) -> None:
+        self.device = device
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    @contextlib.contextmanager
+    def span(self) -> Iterator[None]:
+        _synchronize(self.device)
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            yield
+        finally:
+            _synchronize(self.device)
+            self.wall.append(time.perf_counter() - wall)
+            self.cpu.append(time.process_time() - cpu)
+
+
 class _TimedGather:
     """Times each call of the gather it wraps, device work included; set on the checkpoint instance in place of it."""
 
     def __init__(self, inner: Any, device) -> None:
         self.inner = inner
-        self.device = device
-        self.seconds: list[float] = []
+        self.clock = _Clock(device)
 
     def __call__(self, tasks, num_tiles):
-        _synchronize(self.device)
-        start = time.perf_counter()
-        try:
+        with self.clock.span():
             return self.inner(tasks, num_tiles)
-        finally:
-            _synchronize(self.device)
-            self.seconds.append(time.perf_counter() - start)
 
 
 def _rotated(strategies: tuple[str, ...], turn: int) -> tuple[str, ...]:
@@ -98,8 +117,8 @@ def _serve_requests(rank: int, world: int, cfg: Config, device) -> dict[str, Any
     from minimax_h3_gather.ledger import CollectiveLedger
 
     adapters, stats_of, timers, ledgers = {}, {}, {}, {}
-    for name, (vae, stats) in _adapters(world, cfg, device).items():
-        stats_of[name] = stats
+    for name, (vae, source) in _adapters(world, cfg, device).items():
+        stats_of[name] = source
         timers[name] = _TimedGather(vae.model._all_gather_tiled_results, device)
         vae.model._all_gather_tiled_results = timers[name]
         adapters[name] = vae
@@ -109,26 +128,28 @@ def _serve_requests(rank: int, world: int, cfg: Config, device) -> dict[str, Any
 
     latent = harness.make_latent(cfg.latent_shape, seed=0)
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in cfg.strategies}
-    decode_seconds: dict[str, list[float]] = {name: [] for name in cfg.strategies}
+    decodes = {name: _Clock(device) for name in cfg.strategies}
+    gathers_per_request: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in cfg.strategies}
     with harness.empty_cache_stand_in():
         for request in range(cfg.requests):
             for name in _rotated(cfg.strategies, request):
                 _progress(rank, f"request {request + 1}/{cfg.requests} strategy {name}")
                 before = devices.sample_memory(device)
-                first_gather = len(timers[name].seconds)
-                with ledgers[name]:
-                    start = time.perf_counter()
+                clock = timers[name].clock
+                first_gather = len(clock.wall)
+                with ledgers[name], decodes[name].span():
                     frames = harness.run_request(adapters[name], latent)
-                    _synchronize(device)
-                    decode_seconds[name].append(time.perf_counter() - start)
                 booked = ledgers[name].end_request()
+                for kind in ("wall", "cpu"):
+                    gathers_per_request[name][kind].append(sum(getattr(clock, kind)[first_gather:]))
                 after = devices.sample_memory(device)
-                stats = stats_of[name].stats() if stats_of[name] is not None else {"workspace_bytes": 0}
+                workspace = stats_of[name].stats() if stats_of[name] is not None else {"workspace_bytes": 0}
                 row = booked.as_dict() | {
                     "frames_sha256": harness.digest(frames),
-                    "workspace_bytes": stats["workspace_bytes"],
-                    "gather_ms_median": 1e3 * statistics.median(timers[name].seconds[first_gather:]),
-                    "decode_ms": 1e3 * decode_seconds[name][-1],
+                    "workspace_bytes": workspace["workspace_bytes"],
+                    "gather_ms_median": 1e3 * statistics.median(clock.wall[first_gather:]),
+                    "decode_ms": 1e3 * decodes[name].wall[-1],
+                    "decode_cpu_ms": 1e3 * decodes[name].cpu[-1],
                 }
                 if after is not None:
                     row |= {f"device_{k}": v for k, v in asdict(after).items()}
@@ -137,12 +158,21 @@ def _serve_requests(rank: int, world: int, cfg: Config, device) -> dict[str, Any
                 rows[name].append(row)
     return {
         "requests": rows,
-        "gather_ms_median": {n: 1e3 * statistics.median(timers[n].seconds) for n in cfg.strategies},
-        "decode_ms_median": {n: 1e3 * statistics.median(decode_seconds[n]) for n in cfg.strategies},
+        "seconds": {
+            name: {
+                "gather_wall": timers[name].clock.wall,
+                "gather_cpu": timers[name].clock.cpu,
+                "decode_wall": decodes[name].wall,
+                "decode_cpu": decodes[name].cpu,
+                "request_gathers_wall": gathers_per_request[name]["wall"],
+                "request_gathers_cpu": gathers_per_request[name]["cpu"],
+            }
+            for name in cfg.strategies
+        },
     }
 
 
-def _time_gathers(rank: int, world: int, cfg: Config, device) -> dict[str, float]:
+def _time_gathers(rank: int, world: int, cfg: Config, device) -> dict[str, dict[str, list[float]]]:
     """Per-call gather time on the canonical grid scaled down (28 tiles, 7 per rank), interleaved."""
     import torch
     import torch.distributed as dist
@@ -154,60 +184,136 @@ def _time_gathers(rank: int, world: int, cfg: Config, device) -> dict[str, float
     num_tiles = 28
     generator = torch.Generator().manual_seed(rank)
     tasks = [torch.randn(tile_shape, generator=generator).to(device) for _ in range(rank, num_tiles, world)]
-    seconds: dict[str, list[float]] = {name: [] for name in cfg.strategies}
+    clocks = {name: _Clock(device) for name in cfg.strategies}
     for rep in range(cfg.micro_reps + 2):
         for name in _rotated(cfg.strategies, rep):
             dist.barrier()
-            start = time.perf_counter()
-            tiles = gathers[name](tasks, num_tiles)
-            _synchronize(device)
-            if rep >= 2:  # two warm-up rounds
-                seconds[name].append(time.perf_counter() - start)
+            with clocks[name].span():
+                tiles = gathers[name](tasks, num_tiles)
             del tiles
-    return {name: 1e3 * statistics.median(s) for name, s in seconds.items()}
+    # Two warm-up rounds dropped.
+    return {name: {"micro_wall": c.wall[2:], "micro_cpu": c.cpu[2:]} for name, c in clocks.items()}
 
 
 def _bench_rank(rank: int, world: int, cfg: Config) -> dict[str, Any]:
+    import torch
+
     from minimax_h3_bench import harness
 
+    torch.set_num_threads(cfg.threads_per_rank)
     device = devices.rank_device(cfg.device, rank)
     harness.join_vllm_omni_world(rank, world)
     served = _serve_requests(rank, world, cfg, device)
     _progress(rank, f"micro-benchmark: {cfg.micro_reps} interleaved gathers per strategy")
-    served["micro_gather_ms_median"] = _time_gathers(rank, world, cfg, device)
+    for name, seconds in _time_gathers(rank, world, cfg, device).items():
+        served["seconds"][name] |= seconds
     return served
 
 
+_SERIES = ("gather_wall", "gather_cpu", "decode_wall", "decode_cpu", "micro_wall", "micro_cpu")
+
+
+def _medians_ms(seconds: dict[str, list[float]]) -> dict[str, float]:
+    return {f"{k}_ms": 1e3 * statistics.median(seconds[k]) for k in _SERIES}
+
+
+def _ms(values: list[float]) -> list[float]:
+    return [1e3 * v for v in values]
+
+
+def compare(ours: dict[str, list[float]], other: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Ours against another strategy on one rank: time ratios (ours / other) paired by request for decodes and
+    by repetition for the micro-benchmark, and the per-request differences (ours - other) of the decode and of
+    its gathers, so that one can be read against the other."""
+    return {
+        "decode_wall_ratio": stats.paired_ratio(ours["decode_wall"], other["decode_wall"]).as_dict(),
+        "decode_cpu_ratio": stats.paired_ratio(ours["decode_cpu"], other["decode_cpu"]).as_dict(),
+        "micro_wall_ratio": stats.paired_ratio(ours["micro_wall"], other["micro_wall"]).as_dict(),
+        "micro_cpu_ratio": stats.paired_ratio(ours["micro_cpu"], other["micro_cpu"]).as_dict(),
+        "decode_wall_difference_ms": stats.paired_difference(
+            _ms(ours["decode_wall"]), _ms(other["decode_wall"])
+        ).as_dict(),
+        "request_gathers_wall_difference_ms": stats.paired_difference(
+            _ms(ours["request_gathers_wall"]), _ms(other["request_gathers_wall"])
+        ).as_dict(),
+    }
+
+
 def summarize(per_rank: list[dict[str, Any]], cfg: Config) -> dict[str, Any]:
-    """Rank 0's books, with the frames checked identical across strategies and ranks."""
+    """Rank 0's books, every rank's timings, paired comparisons, and the frames checked identical."""
     lead = per_rank[0]
     strategies = {}
     for name in cfg.strategies:
+        medians = _medians_ms(lead["seconds"][name])
         strategies[name] = {
             "requests": lead["requests"][name],
-            "gather_ms_median": lead["gather_ms_median"][name],
-            "decode_ms_median": lead["decode_ms_median"][name],
-            "micro_gather_ms_median": lead["micro_gather_ms_median"][name],
+            "gather_ms_median": medians["gather_wall_ms"],
+            "decode_ms_median": medians["decode_wall_ms"],
+            "micro_gather_ms_median": medians["micro_wall_ms"],
         }
     digests = {
         row["frames_sha256"] for result in per_rank for name in cfg.strategies for row in result["requests"][name]
     }
-    frames_identical = len(digests) == 1
-    micro = lead["micro_gather_ms_median"]
-    summary = {
+    cores = os.cpu_count() or 1
+    return {
         "config": asdict(cfg),
         "versions": {p: version(p) for p in ("torch", "vllm-omni", "diffusers")},
+        "machine": {
+            "cpu_count": cores,
+            "ranks": len(per_rank),
+            "oversubscribed": cores < len(per_rank),
+            "torch_threads_per_rank": cfg.threads_per_rank,
+            "processor": platform.processor() or platform.machine(),
+        },
         "world_size": len(per_rank),
         "strategies": strategies,
-        "frames_identical": frames_identical,
-        "gather_speedup_vs_checkpoint": micro["checkpoint"] / micro["ours"] if "ours" in micro else None,
-        "decode_ratio_vs_checkpoint": (
-            lead["decode_ms_median"]["checkpoint"] / lead["decode_ms_median"]["ours"]
-            if {"checkpoint", "ours"} <= set(cfg.strategies)
-            else None
-        ),
+        "frames_identical": len(digests) == 1,
+        "timing_per_rank": [
+            {name: _medians_ms(result["seconds"][name]) for name in cfg.strategies} for result in per_rank
+        ],
+        "comparisons": {
+            f"ours/{other}": [compare(result["seconds"]["ours"], result["seconds"][other]) for result in per_rank]
+            for other in cfg.strategies
+            if other != "ours" and "ours" in cfg.strategies
+        },
     }
-    return summary
+
+
+def format_timing(summary: dict[str, Any]) -> list[str]:
+    machine = summary["machine"]
+    text = [
+        f"machine: {machine['cpu_count']} CPU core(s) for {machine['ranks']} ranks"
+        + (" (oversubscribed: wall time is mostly the scheduler's)" if machine["oversubscribed"] else "")
+        + f"; torch intra-op threads per rank: {machine['torch_threads_per_rank']}",
+        "",
+    ]
+    header = ["rank", "strategy", "gather wall", "gather CPU", "decode wall", "decode CPU", "micro wall", "micro CPU"]
+    lines = [header]
+    for rank, by_strategy in enumerate(summary["timing_per_rank"]):
+        for name, medians in by_strategy.items():
+            lines.append([str(rank), name, *(f"{medians[f'{k}_ms']:.2f}" for k in _SERIES)])
+    text += ["median ms per span; CPU is each rank's process CPU time"] + report.align(lines) + [""]
+    for pair, ranks in summary["comparisons"].items():
+        text.append(f"{pair} time ratio, paired and interleaved (decodes by request, micro gathers by repetition):")
+        for rank, c in enumerate(ranks):
+            text.append(
+                f"  rank {rank}: decode wall {stats.describe(_estimate(c['decode_wall_ratio']))}, "
+                f"CPU {stats.describe(_estimate(c['decode_cpu_ratio']))}"
+            )
+            text.append(
+                f"          micro gather wall {stats.describe(_estimate(c['micro_wall_ratio']))}, "
+                f"CPU {stats.describe(_estimate(c['micro_cpu_ratio']))}"
+            )
+            text.append(
+                f"          per request, ours - other: decode "
+                f"{stats.describe(_estimate(c['decode_wall_difference_ms']), ' ms', 1)}, of which its gathers "
+                f"{stats.describe(_estimate(c['request_gathers_wall_difference_ms']), ' ms', 1)}"
+            )
+    return text
+
+
+def _estimate(fields: dict[str, float]) -> stats.Estimate:
+    return stats.Estimate(**fields)
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -234,17 +340,7 @@ def format_table(summary: dict[str, Any]) -> str:
             lines.append(line)
     text = report.align(lines)
     text.append("")
-    for name, data in summary["strategies"].items():
-        text.append(
-            f"{name:>10}: gather {data['gather_ms_median']:.2f} ms (micro {data['micro_gather_ms_median']:.2f} ms), "
-            f"decode {data['decode_ms_median']:.1f} ms median"
-        )
-    if summary["gather_speedup_vs_checkpoint"] is not None:
-        text.append(
-            f"gather speedup vs checkpoint (micro, ratio of medians): {summary['gather_speedup_vs_checkpoint']:.2f}x"
-        )
-    if summary["decode_ratio_vs_checkpoint"] is not None:
-        text.append(f"decode time ratio checkpoint/ours: {summary['decode_ratio_vs_checkpoint']:.3f}x")
+    text += format_timing(summary)
     text.append(f"frames identical across strategies and ranks: {summary['frames_identical']}")
     return "\n".join(text)
 
@@ -273,7 +369,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=5, help="requests per strategy (default 5)")
+    parser.add_argument("--requests", type=int, default=10, help="requests per strategy, the decode pairs (default 10)")
     parser.add_argument("--output-dir", type=Path, default=Path("out/minimax_h3_vae_gather"))
     parser.add_argument("--device", choices=devices.SUPPORTED, default="cpu")
     parser.add_argument("--world-size", type=int, default=4, help="ranks; on XPU one per card (default 4)")
@@ -284,9 +380,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic checkpoint is written")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before hung ranks are killed")
     args = parser.parse_args(argv)
-    for name in ("requests", "world_size", "latent_frames", "micro_reps"):
+    for name in ("world_size", "latent_frames"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected an integer >= 1")
+    for name in ("requests", "micro_reps"):  # paired intervals need two pairs at least
+        if getattr(args, name) < 2:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected an integer >= 2")
     if args.ledger_limit < 0:
         parser.error(f"--ledger-limit={args.ledger_limit}: expected 0 (no limit) or a positive integer")
     chosen = tuple(s.strip() for s in args.strategies.split(","))
@@ -309,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_reps=args.micro_reps,
         ledger_limit=args.ledger_limit or None,
         strategies=args.strategies,
+        threads_per_rank=max(1, (os.cpu_count() or 1) // args.world_size),
     )
     backend = devices.backend_for(args.device)
     print(f"[bench] {args.world_size} ranks, {backend}, {args.requests} requests", file=sys.stderr)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import CodeType, FrameType
@@ -125,24 +126,29 @@ def register() -> None:
     torch.accelerator.empty_cache = mark(torch.accelerator.empty_cache)
     forward = MiniMaxH3Pipeline.forward
 
+    timing: list[dict[str, float]] = []
+
     @functools.wraps(forward)
     def counted_forward(self, *args, **kwargs):
         if not ledger.active:
             ledger.__enter__()  # from the first request on; the worker's lifetime ends it
+        wall, cpu = time.perf_counter(), time.process_time()
         try:
             return forward(self, *args, **kwargs)
         finally:
+            # This worker's wall and process CPU seconds for the request, the census's own bookkeeping included.
+            timing.append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
             ledger.end_request()
-            _write(directory, ledger)
+            _write(directory, ledger, timing)
 
     setattr(counted_forward, _MARK, True)
     MiniMaxH3Pipeline.forward = counted_forward
     logger.info("[H3_CENSUS] counting every collective per request into %s", directory)
 
 
-def _write(directory: Path, ledger: CollectiveLedger) -> None:
+def _write(directory: Path, ledger: CollectiveLedger, timing: list[dict[str, float]]) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    path = directory / f"census-rank{rank}.json"
-    path.write_text(json.dumps({"rank": rank, "requests": [r.as_dict() for r in ledger.requests]}, indent=1))
+    books = {"rank": rank, "requests": [r.as_dict() for r in ledger.requests], "timing": timing}
+    (directory / f"census-rank{rank}.json").write_text(json.dumps(books, indent=1))

@@ -22,7 +22,7 @@ pytestmark = [
 REQUESTS = 2
 SCHEMA = {
     "top": {"config", "versions", "runs", "media_identical", "projection"},
-    "run": {"media_sha256", "ranks"},
+    "run": {"media_sha256", "ranks", "request_wall_s"},
     "request": {
         "new_registrations",
         "new_registered_bytes",
@@ -117,6 +117,10 @@ def test_census_json_schema_is_stable(census):
             assert request["bookkeeping_errors"] == 0  # every collective of the served request was booked
             assert set(request["books"]) <= set(COMPONENTS)
             assert all(set(b) == SCHEMA["books"] for sites in request["books"].values() for b in sites.values())
+        for rank in summary["runs"][fix]["ranks"]:  # each rank's wall and CPU seconds, per request
+            assert len(rank["timing"]) == len(rank["requests"])
+            assert all(t["wall_s"] > 0 and t["cpu_s"] > 0 for t in rank["timing"])
+        assert len(summary["runs"][fix]["request_wall_s"]) == len(summary["runs"][fix]["ranks"][0]["requests"])
 
 
 def test_bad_arguments_are_refused_naming_the_value(capsys):

@@ -31,10 +31,6 @@ def test_exits_zero_with_identical_frames_and_writes_results_and_plot(run):
     strategies = results["strategies"]
     assert set(strategies) == {"checkpoint", "recv-only", "ours"}
     assert len({row["frames_sha256"] for data in strategies.values() for row in data["requests"]}) == 1
-    micro = {name: data["micro_gather_ms_median"] for name, data in strategies.items()}
-    assert results["gather_speedup_vs_checkpoint"] == pytest.approx(micro["checkpoint"] / micro["ours"])
-    decode = {name: data["decode_ms_median"] for name, data in strategies.items()}
-    assert results["decode_ratio_vs_checkpoint"] == pytest.approx(decode["checkpoint"] / decode["ours"])
     for data in strategies.values():
         assert len(data["requests"]) == 3
         # A gather is part of a decode: its median cannot exceed the decode's.
@@ -61,23 +57,58 @@ def test_ours_registers_nothing_new_after_the_first_request_and_the_others_keep_
     assert set(sends) == {"send"}  # receive side stable, send side fresh
 
 
-def test_summary_flags_frames_that_differ():
-    cfg = bench.Config("c", "cpu", 1, (1,), 1, None, ("checkpoint", "ours"))
-    row = {"frames_sha256": "a"}
+def test_every_rank_reports_wall_and_cpu_time_and_paired_ratios_with_their_interval(run):
+    _, _, results = run
+    machine = results["machine"]
+    assert machine["ranks"] == 4 and machine["torch_threads_per_rank"] >= 1
+    assert machine["oversubscribed"] == (machine["cpu_count"] < 4)
+    assert len(results["timing_per_rank"]) == 4
+    for by_strategy in results["timing_per_rank"]:
+        assert set(by_strategy) == {"checkpoint", "recv-only", "ours"}
+        for medians in by_strategy.values():
+            assert set(medians) == {f"{k}_ms" for k in bench._SERIES} and all(v > 0 for v in medians.values())
+    assert set(results["comparisons"]) == {"ours/checkpoint", "ours/recv-only"}
+    for per_rank in results["comparisons"].values():
+        assert len(per_rank) == 4
+        for comparison in per_rank:
+            for name, estimate in comparison.items():
+                assert estimate["low"] <= estimate["value"] <= estimate["high"], name
+                assert estimate["pairs"] == 3 and estimate["confidence"] == 0.95  # 3 requests, 3 micro repetitions
+
+
+def _seconds(decode: float, micro: float) -> dict[str, list[float]]:
+    return {
+        "gather_wall": [0.1, 0.1],
+        "gather_cpu": [0.1, 0.1],
+        "decode_wall": [decode, 2 * decode],  # the second request ran on a slower machine, for both strategies
+        "decode_cpu": [decode, decode],
+        "micro_wall": [micro, micro],
+        "micro_cpu": [micro, micro],
+        "request_gathers_wall": [0.2, 0.2],
+        "request_gathers_cpu": [0.2, 0.2],
+    }
+
+
+def test_summary_pairs_the_strategies_and_flags_frames_that_differ():
+    cfg = bench.Config("c", "cpu", 2, (1,), 2, None, ("checkpoint", "ours"), 1)
     rank = {
-        "requests": {"checkpoint": [row], "ours": [{"frames_sha256": "b"}]},
-        "gather_ms_median": {"checkpoint": 1.0, "ours": 1.0},
-        "decode_ms_median": {"checkpoint": 1.0, "ours": 1.0},
-        "micro_gather_ms_median": {"checkpoint": 2.0, "ours": 1.0},
+        "requests": {"checkpoint": [{"frames_sha256": "a"}], "ours": [{"frames_sha256": "b"}]},
+        "seconds": {"checkpoint": _seconds(1.0, 0.2), "ours": _seconds(1.1, 0.1)},
     }
     summary = bench.summarize([rank], cfg)
-    assert not summary["frames_identical"] and summary["gather_speedup_vs_checkpoint"] == 2.0
+    assert not summary["frames_identical"]
+    (comparison,) = summary["comparisons"]["ours/checkpoint"]
+    assert comparison["decode_wall_ratio"]["value"] == pytest.approx(1.1)  # the shared slowdown cancels
+    assert comparison["micro_wall_ratio"]["value"] == pytest.approx(0.5)
+    assert comparison["decode_wall_difference_ms"]["value"] == pytest.approx(150.0)
+    assert any("ours/checkpoint time ratio" in line for line in bench.format_timing(summary))
 
 
 @pytest.mark.parametrize(
     "argv,message",
     [
-        (["--requests", "0"], "--requests=0"),
+        (["--requests", "1"], "--requests=1: expected an integer >= 2"),
+        (["--micro-reps", "0"], "--micro-reps=0"),
         (["--strategies", "ours,nccl"], "--strategies='ours,nccl'"),
         (["--strategies", "ours,ours"], "distinct"),
         (["--device", "cuda"], "invalid choice"),
