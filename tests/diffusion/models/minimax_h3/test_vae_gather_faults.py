@@ -82,12 +82,28 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
         vae_gather.remove_tile_gather_reuse(adapter)
         vae_gather.install_tile_gather_reuse(adapter, enabled=True)
     record("reinstall-on-one-rank", lambda: None)
-    return {
-        "outcomes": outcomes,
-        "causes": causes,
-        "asked": asked,
-        "allocs": vae_gather.get_tile_gather(adapter).stats()["allocs"],
-    }
+    allocs = vae_gather.get_tile_gather(adapter).stats()["allocs"]
+
+    # No memory for the header buffer on one rank: its install fails there, before any collective exists. Once
+    # it has memory again it installs, and every rank gathers together.
+    vae_gather.remove_tile_gather_reuse(adapter)
+    install_error = None
+
+    def no_memory(nbytes, device, group):
+        raise torch.OutOfMemoryError(f"injected: no memory for {nbytes} bytes")
+
+    if rank == BAD_RANK:
+        vae_gather.allocate_bytes = no_memory
+    try:
+        vae_gather.install_tile_gather_reuse(adapter, enabled=True)
+    except torch.OutOfMemoryError as exc:
+        install_error = str(exc)
+    finally:
+        vae_gather.allocate_bytes = real_allocate
+    if install_error is not None:
+        vae_gather.install_tile_gather_reuse(adapter, enabled=True)
+    record("header-out-of-memory-at-install", lambda: None)
+    return {"outcomes": outcomes, "causes": causes, "asked": asked, "allocs": allocs, "install_error": install_error}
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +140,8 @@ def test_out_of_memory_on_one_rank_raises_on_every_rank_naming_it_and_the_off_sw
 def test_a_reinstall_on_one_rank_leaves_every_rank_in_step(reports):
     assert _same_outcome_everywhere(reports, "reinstall-on-one-rank") == ("ok", "")
     assert reports[1]["allocs"] == 1  # the reinstalled gather started a workspace of its own
+
+
+def test_no_memory_for_the_header_buffer_fails_that_ranks_install_only_and_no_gather_is_left_waiting(reports):
+    assert [r["install_error"] for r in reports] == [None, None, "injected: no memory for 28672 bytes", None]
+    assert _same_outcome_everywhere(reports, "header-out-of-memory-at-install") == ("ok", "")
