@@ -71,6 +71,7 @@ def test_every_rank_reports_wall_and_cpu_time_and_paired_ratios_with_their_inter
     for per_rank in results["comparisons"].values():
         assert len(per_rank) == 4
         for comparison in per_rank:
+            assert isinstance(comparison.pop("gathers_explain_decode"), bool)
             for name, estimate in comparison.items():
                 assert estimate["low"] <= estimate["value"] <= estimate["high"], name
                 assert estimate["pairs"] == 3 and estimate["confidence"] == 0.95  # 3 requests, 3 micro repetitions
@@ -101,6 +102,7 @@ def test_summary_pairs_the_strategies_and_flags_frames_that_differ():
     assert comparison["decode_wall_ratio"]["value"] == pytest.approx(1.1)  # the shared slowdown cancels
     assert comparison["micro_wall_ratio"]["value"] == pytest.approx(0.5)
     assert comparison["decode_wall_difference_ms"]["value"] == pytest.approx(150.0)
+    assert not comparison["gathers_explain_decode"]  # the gathers took the same time: 150 ms came from elsewhere
     assert any("ours/checkpoint time ratio" in line for line in bench.format_timing(summary))
 
 
