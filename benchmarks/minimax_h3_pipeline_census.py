@@ -162,7 +162,8 @@ def format_table(summary: dict[str, Any]) -> str:
 def format_timing(summary: dict[str, Any]) -> list[str]:
     """Seconds per request, client wall and each rank's wall and CPU. Not a comparison of the fix: the servers
     ran one after the other; the paired ratios are the VAE benchmark's."""
-    text = [f"seconds per request (not compared: the servers ran in turn; {os.cpu_count()} CPU core(s), 4 ranks)"]
+    where = f"{os.cpu_count()} CPU core(s), {serve_cpu.WORLD} ranks"
+    text = [f"seconds per request (not compared: the servers ran in turn; {where})"]
     lines = [["fix", "req", "client wall", *(f"rank {r} wall / CPU" for r in range(serve_cpu.WORLD))]]
     for fix, run in summary["runs"].items():
         for index, client in enumerate(run["request_wall_s"]):
