@@ -14,10 +14,11 @@ from minimax_h3_bench.upstream_patches import TREE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "vllm_omni" / "diffusion" / "models" / "minimax_h3"
+DISTRIBUTED_DIR = REPO_ROOT / "vllm_omni" / "distributed"
 
 
 def use_working_tree() -> None:
-    """Make ``vllm_omni.diffusion.models.minimax_h3.vae_gather`` resolve to this checkout, not an installed copy.
+    """Make ``vae_gather`` and our ``vllm_omni.distributed`` modules resolve to this checkout, not an installed copy.
 
     With a released vLLM-Omni installed, its ``minimax_h3`` is a regular package and our folder (no
     ``__init__.py``, by design) is ignored; putting the folder first on the package's ``__path__`` fixes that.
@@ -26,17 +27,23 @@ def use_working_tree() -> None:
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))
     import vllm_omni.diffusion.models.minimax_h3 as package
+    import vllm_omni.distributed as distributed
 
     if (tree := os.environ.get(TREE_ENV)) is not None:
         if not Path(package.__file__).resolve().is_relative_to(Path(tree).resolve()):
             raise RuntimeError(f"{TREE_ENV}={tree!r}, but vllm_omni comes from {package.__file__}; put the tree first")
         return
 
-    if str(MODEL_DIR) not in package.__path__:
-        package.__path__.insert(0, str(MODEL_DIR))
-    stale = sys.modules.get(f"{package.__name__}.vae_gather")
-    if stale is not None and Path(stale.__file__).resolve().parent != MODEL_DIR:
-        raise RuntimeError(f"vae_gather was imported from {stale.__file__} before the working tree was put first")
+    for pkg, directory, module in (
+        (package, MODEL_DIR, "vae_gather"),
+        (distributed, DISTRIBUTED_DIR, "collective_workspaces"),
+        (distributed, DISTRIBUTED_DIR, "persistent_collectives"),
+    ):
+        if str(directory) not in pkg.__path__:
+            pkg.__path__.insert(0, str(directory))
+        stale = sys.modules.get(f"{pkg.__name__}.{module}")
+        if stale is not None and Path(stale.__file__).resolve().parent != directory:
+            raise RuntimeError(f"{module} was imported from {stale.__file__} before the working tree was put first")
 
 
 run_ranks = functools.partial(ranks.run_ranks, prepare=use_working_tree)

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from vllm.logger import init_logger
 
+from vllm_omni.distributed.collective_workspaces import allocate_bytes, resolve_device, synchronize
+
 logger = init_logger(__name__)
 
 REUSE_ENV = "VLLM_OMNI_H3_VAE_GATHER_REUSE"
@@ -57,31 +59,6 @@ def slot_bytes(sp_size: int, num_tiles: int, tile_shape: Sequence[int], dtype: t
 
 def workspace_bytes(sp_size: int, num_tiles: int, tile_shape: Sequence[int], dtype: torch.dtype) -> int:
     return sp_size * slot_bytes(sp_size, num_tiles, tile_shape, dtype)
-
-
-def resolve_device(device: torch.device | str) -> torch.device:
-    """``xpu`` as ``xpu:<current>``, so that one card is never taken for two."""
-    device = torch.device(device)
-    if device.index is not None or device.type in ("cpu", "meta"):
-        return device
-    return torch.device(device.type, torch.get_device_module(device.type).current_device())
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type not in ("cpu", "meta"):
-        torch.get_device_module(device.type).synchronize(device)
-
-
-def allocate_bytes(nbytes: int, device: torch.device, group: Any) -> torch.Tensor:
-    """A flat uint8 block, from the group's backend where it hands out memory it registers once."""
-    try:
-        backend = group._get_backend(device)
-    except (AttributeError, RuntimeError, ValueError):  # no group, or no backend for this device type
-        backend = None
-    supports = getattr(backend, "supports_tensor_alloc", None)  # absent before torch 2.9
-    if supports is not None and supports(device):
-        return backend.allocate_tensor(nbytes, dtype=torch.uint8, device=device)
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def all_gather_in_place(output: torch.Tensor, rank: int, group: Any) -> None:
