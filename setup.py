@@ -2,9 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """Address-stable tile gather for the MiniMax-H3 video VAE, installable over a released vLLM-Omni.
 
-``vllm_omni/diffusion/models/minimax_h3/vae_gather.py`` is laid out exactly where upstream keeps the
-model, with no ``__init__.py`` of ours on the way, so ``pip install .`` drops it into the installed
-vLLM-Omni package. ``minimax_h3_gather`` holds the rest of what an operator runs: the plugin that calls
+``vllm_omni/diffusion/models/minimax_h3/vae_gather.py`` and the persistent-collectives layer in
+``vllm_omni/distributed/`` are laid out exactly where upstream keeps them, with no ``__init__.py`` of ours on
+the way, so ``pip install .`` drops them into the installed vLLM-Omni package. ``minimax_h3_gather`` holds the rest of what an operator runs: the plugin that calls
 the fix from the released adapter and the collective census. The reproducer's tooling
 (``minimax_h3_bench``) and the tests are not installed.
 """
@@ -23,13 +23,15 @@ def _requirements(name: str) -> list[str]:
 
 setup(
     name="minimax-h3-vae-gather",
-    version="0.3.0",
+    version="0.4.0",
     description="Address-stable tile gather for the MiniMax-H3 video VAE in vLLM-Omni (XPU memory-leak fix)",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",
-    packages=find_namespace_packages(include=["vllm_omni.diffusion.models.minimax_h3", "minimax_h3_gather"]),
+    packages=find_namespace_packages(
+        include=["vllm_omni.diffusion.models.minimax_h3", "vllm_omni.distributed", "minimax_h3_gather"]
+    ),
     install_requires=_requirements("common.txt"),
     entry_points={
         "vllm_omni.general_plugins": [

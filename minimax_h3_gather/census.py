@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
+from vllm_omni.distributed import persistent_collectives
+
 from .ledger import CollectiveLedger
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
@@ -127,6 +129,7 @@ def register() -> None:
     forward = MiniMaxH3Pipeline.forward
 
     timing: list[dict[str, float]] = []
+    layer_stats: list[dict[str, int] | None] = []
 
     @functools.wraps(forward)
     def counted_forward(self, *args, **kwargs):
@@ -139,16 +142,19 @@ def register() -> None:
             # This worker's wall and process CPU seconds for the request, the census's own bookkeeping included.
             timing.append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
             ledger.end_request()
-            _write(directory, ledger, timing)
+            layer = persistent_collectives.installed()
+            layer_stats.append(None if layer is None else layer.stats())  # cumulative, since start-up
+            _write(directory, ledger, timing, layer_stats)
 
     setattr(counted_forward, _MARK, True)
     MiniMaxH3Pipeline.forward = counted_forward
     logger.info("[H3_CENSUS] counting every collective per request into %s", directory)
 
 
-def _write(directory: Path, ledger: CollectiveLedger, timing: list[dict[str, float]]) -> None:
+def _write(directory: Path, ledger: CollectiveLedger, timing: list[dict], layer: list[dict | None]) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    books = {"rank": rank, "requests": [r.as_dict() for r in ledger.requests], "timing": timing}
+    requests = [r.as_dict() for r in ledger.requests]
+    books = {"rank": rank, "requests": requests, "timing": timing, "persistent_collectives": layer}
     (directory / f"census-rank{rank}.json").write_text(json.dumps(books, indent=1))

@@ -15,7 +15,9 @@ does behind the caller's back are modelled too: a list-form ``all_gather`` recei
 flat buffer on every call, and ``barrier`` all-reduces a new 4-byte device tensor on every call. Whether
 oneCCL registers that 4-byte tensor is not known, so barrier temps are counted apart from registrations.
 
-Watched: the functions in ``COLLECTIVES`` as callers reach them through ``torch.distributed``. Not seen:
+Watched: the functions in ``COLLECTIVES`` as callers reach them through ``torch.distributed``; where the
+persistent-collectives layer is installed, below it, so that what is counted is what the backend is handed
+(its workspaces), never what callers pass in. Not seen:
 object collectives, functional collectives, and calls made on a ``ProcessGroup`` directly. An error in the
 ledger's own bookkeeping is logged once and never raised, so the collective it watches always runs.
 """
@@ -35,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from vllm.logger import init_logger
+
+from vllm_omni.distributed import persistent_collectives
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
@@ -60,7 +64,7 @@ COLLECTIVES = (
 )
 # Not isend and irecv: P2POp checks its op against torch.distributed's own functions, so wrapping them would
 # break every batch_isend_irecv (Ring attention's); their batches are booked through batch_isend_irecv.
-_SKIP_FILES = (str(Path(dist.__file__).parent), __file__)
+_SKIP_FILES = (str(Path(dist.__file__).parent), __file__, persistent_collectives.__file__)
 
 
 @dataclass
@@ -172,7 +176,7 @@ class CollectiveLedger:
         self._window = 0
         self._registry: OrderedDict[Any, _Registration] = OrderedDict()
         self._hidden_ids = itertools.count()
-        self._originals: dict[str, Any] = {}
+        self._restore: list[Callable[[], None]] = []
         self._depth = 0
         self._reset_request()
         self.requests: list[RequestReport] = []
@@ -189,20 +193,28 @@ class CollectiveLedger:
 
     @property
     def active(self) -> bool:
-        return bool(self._originals)
+        return bool(self._restore)
 
     def __enter__(self) -> CollectiveLedger:
-        if self._originals:
+        if self._restore:
             raise RuntimeError("CollectiveLedger is already active")
+        layer = persistent_collectives.installed()
+        below = layer.plain if layer is not None else {}
         for name in COLLECTIVES:
-            self._originals[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, self._originals[name]))
+            if name in below:  # the layer's way to the backend
+                original = below[name]
+                below[name] = self._wrap(name, original)
+                self._restore.append(functools.partial(below.__setitem__, name, original))
+            else:
+                original = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, original))
+                self._restore.append(functools.partial(setattr, dist, name, original))
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-        self._originals.clear()
+        for restore in self._restore:
+            restore()
+        self._restore.clear()
 
     def _wrap(self, name: str, original: Any) -> Any:
         def collective(*args: Any, **kwargs: Any) -> Any:

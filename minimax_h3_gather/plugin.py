@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""``vllm_omni.general_plugins`` entry point: the released adapter calls the gather fix from its setup.
+"""``vllm_omni.general_plugins`` entry point: the released vLLM-Omni gets both fixes in every process.
 
 Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)``. A released
 vLLM-Omni does not, so this plugin makes ``__init__`` end with that call. vLLM-Omni loads it in every
 process, whatever model it serves, so it only arms an import hook: the adapter is patched when its module
-is first imported, and a process that never imports MiniMax-H3 pays nothing.
+is first imported, and a process that never imports MiniMax-H3 pays nothing. It also installs the
+persistent-collectives layer, which its switch keeps to XPU unless told otherwise.
 """
 
 from __future__ import annotations
@@ -109,7 +110,14 @@ class _HookOnImport(importlib.abc.MetaPathFinder):
 
 
 def register() -> None:
-    """Hook the adapter now if its module is loaded, else when it is first imported; later calls are no-ops."""
+    """Install the collectives layer; hook the adapter now if its module is loaded, else when it is first imported.
+
+    Later calls are no-ops. A bad ``VLLM_OMNI_PERSISTENT_COLLECTIVES`` fails the process's start-up, alike on
+    every rank, rather than leave one rank on other collectives than its peers.
+    """
+    from vllm_omni.distributed.persistent_collectives import install_persistent_collectives
+
+    install_persistent_collectives()
     module = sys.modules.get(ADAPTER_MODULE)
     if module is not None:
         _hook_quietly(module)
