@@ -11,7 +11,7 @@ take their requests in alternating order, so that their request times pair up. E
 buffers were fresh (new to the backend: a registration on XPU) or persistent across an ``empty_cache``.
 Prints a table, writes ``census.json`` and ``census.png``, and projects the bytes to the seed's geometry.
 
-    python -m benchmarks.minimax_h3_pipeline_census --requests 3 --output-dir out/census
+    python -m benchmarks.minimax_h3_pipeline_census --requests 8 --output-dir out/census
 """
 
 from __future__ import annotations
@@ -113,8 +113,9 @@ def projection(run: dict[str, Any], whole: dict[str, Any] | None) -> dict[str, A
     is read off the recorded all-reduce shapes, S_seed = 62,496 video tokens (62 latent frames x 24 x 42 patches)
     plus the synthetic run's audio and text tokens scaled by duration (209 / 96 frames). Video VAE: x (28 x 256^2)
     / (tiles_syn x tile_syn^2) x (209 / frames decoded_syn): every rank receives every tile. Text encoder:
-    x 1 (the prompt's tokens, 5120 wide in both). Layer: its resident workspaces are sized by the largest
-    collective of a group, the DiT's, so they scale as the DiT; its copies as each component's bytes moved.
+    x 1 (the prompt's tokens, 5120 wide in both). Layer: resident = S_seed x 5376 x 2 B (the DiT's bf16
+    hidden-state all-reduce, its largest call, which one workspace of the TP group holds) + the synthetic run's
+    workspaces; copies = 2 x the bytes received by every component but the video VAE (one copy in, one out).
     """
     from minimax_h3_bench.synthetic.pipeline import DIT, REQUEST, VIDEO_VAE
 
@@ -157,11 +158,11 @@ def projection(run: dict[str, Any], whole: dict[str, Any] | None) -> dict[str, A
     }
     if whole is not None:
         layer = layer_per_request(whole["ranks"][0])[-1]
-        moved = sum((totals[c]["bytes_sent"] + totals[c]["bytes_received"]) * scales[c] for c in COMPONENTS)
-        measured_moved = sum(totals[c]["bytes_sent"] + totals[c]["bytes_received"] for c in COMPONENTS)
-        copied = layer["copied_bytes"] * moved / measured_moved if measured_moved else 0.0
+        staged = [c for c in COMPONENTS if c != "video_vae"]  # the VAE's gather keeps its own workspace
+        copied = sum(2 * totals[c]["bytes_received"] * scales[c] for c in staged)
+        largest = seed_tokens * SEED["hidden"] * 2  # the DiT's bf16 hidden-state all-reduce
         projected["layer"] = {
-            "resident_MiB_rank0": layer["resident_bytes"] * scales["dit"] / MIB,
+            "resident_MiB_rank0": (largest + layer["resident_bytes"]) / MIB,
             "copied_MiB_per_request_rank0": copied / MIB,
             "copy_ms_per_request_rank0": copied / (COPY_GBS * 1e9) * 1e3,
             "copy_GBps_assumed": COPY_GBS,
@@ -283,7 +284,9 @@ def format_timing(summary: dict[str, Any]) -> list[str]:
     if paired is None:
         text.append("no paired ratio: it needs at least 2 requests after the first (--requests 3)")
         return text
-    text.append(f"{PAIRED[0]} / {PAIRED[1]}, paired by request (target: at most 1.02x):")
+    pairs = next(iter(paired.values()))["pairs"]
+    caution = "; with fewer than 5 pairs the interval says little" if pairs < 5 else ""
+    text.append(f"{PAIRED[0]} / {PAIRED[1]}, paired by request (target: at most 1.02x{caution}):")
     for key, estimate in paired.items():
         text.append(f"  {key:>12}: {stats.describe(stats.Estimate(**estimate))}")
     return text
@@ -319,7 +322,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=3, help="identical requests per server (default 3)")
+    parser.add_argument("--requests", type=int, default=8, help="identical requests per server (default 8)")
     parser.add_argument("--layout", choices=tuple(LAYOUTS), default="tp", help="DiT parallelism (default tp)")
     parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")

@@ -43,6 +43,7 @@ RECEIPTS = {
     "gathers": r"\[H3_VAE_GATHER\] reuse=(?:alloc|hit) ",
     "workspace_allocs": r"\[H3_VAE_GATHER\] reuse=alloc ",
     "empty_cache": r"\[CPU_TEST_PLATFORM\] empty_cache #",
+    "layer_installs": r"\[PERSISTENT_COLLECTIVES\] installed: ",
 }
 
 
@@ -81,6 +82,7 @@ def serve(
     env = os.environ | {
         "VLLM_OMNI_CPU_TEST_PLATFORM": "1",
         "VLLM_OMNI_H3_VAE_GATHER_REUSE": reuse,
+        "VLLM_OMNI_PERSISTENT_COLLECTIVES": reuse,  # the whole-request fix goes with the VAE's unless env says
         "VLLM_LOGGING_LEVEL": "DEBUG",  # the gather's per-call receipts
         "OMP_NUM_THREADS": "1",  # four ranks share two cores
         **(env or {}),
@@ -166,6 +168,12 @@ def receipts(log: str) -> Counter[str]:
     """How often each receipt of the fix (and of the platform's ``empty_cache``) appears in a server log."""
     plain = _without_colours(log)
     return Counter({name: len(re.findall(pattern, plain)) for name, pattern in RECEIPTS.items()})
+
+
+def receipt_pids(log: str, name: str) -> Counter[int]:
+    """How often each process (by the ``pid=`` of its log prefix) wrote the receipt ``name``."""
+    pattern = re.compile(r"pid=(\d+)\).*" + RECEIPTS[name])
+    return Counter(int(m.group(1)) for line in _without_colours(log).splitlines() if (m := pattern.search(line)))
 
 
 def receipt_lines(log: str) -> list[str]:

@@ -28,8 +28,10 @@ PATCHES = ROOT / "patches"
 RELEASE = "0.30.0"
 PLUGIN = "minimax_h3_vae_gather"
 TREE_ENV = "VLLM_OMNI_H3_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
-# What the first patch carries from this checkout, beside its hand-made change to vae.py.
-CARRIED = (
+# What the patches carry from this checkout, beside their hand-made changes (vae.py in the first, the diffusion
+# worker's call in the second). ``regenerate`` refreshes the last patch: a file the last patch carries is as
+# this checkout has it once every patch is applied; the first patch's copy of vae_gather.py is its own.
+CARRIED_FIRST = (
     "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
     *(
         f"tests/diffusion/models/minimax_h3/{name}"
@@ -44,8 +46,15 @@ CARRIED = (
         )
     ),
 )
+CARRIED_LAST = (
+    "vllm_omni/distributed/collective_workspaces.py",
+    "vllm_omni/distributed/persistent_collectives.py",
+    "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
+)
+CARRIED = tuple(dict.fromkeys(CARRIED_FIRST + CARRIED_LAST))
 UPSTREAM_TESTS = "tests/diffusion/models/minimax_h3"
-SERVE_TEST = "tests/e2e/test_minimax_h3_serve_cpu.py"
+# Run from this checkout against the patched tree: the layer's tests need the project's gloo rank runner.
+CHECKOUT_TESTS = ("tests/distributed", "tests/e2e/test_minimax_h3_serve_cpu.py")
 # The tree has no pytest configuration of its own; upstream's registers these markers.
 PYTEST_INI = """[pytest]
 addopts = --strict-markers -q -p no:cacheprovider
@@ -110,11 +119,11 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
 
 
 def regenerate(patches: list[Path]) -> list[Path]:
-    """Re-apply the patches as commits, refresh what they carry from this checkout, write them out again."""
+    """Re-apply the patches as commits, refresh what the last one carries from this checkout, write them out."""
     with tempfile.TemporaryDirectory() as scratch:
         tree = pristine_tree(Path(scratch))
-        _git_ok(tree, "am", "-q", *map(str, patches))
-        for relative in CARRIED:
+        _git_ok(tree, "am", "-q", "--keep-non-patch", *map(str, patches))
+        for relative in CARRIED_LAST:
             target = tree / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(ROOT / relative, target)
@@ -123,7 +132,8 @@ def regenerate(patches: list[Path]) -> list[Path]:
             _git_ok(tree, "commit", "-q", "--amend", "--no-edit")
         for old in patches:
             old.unlink()
-        out = _git_ok(tree, "format-patch", "-q", "--no-signature", "--zero-commit", "-o", str(PATCHES), "HEAD~1")
+        since = f"HEAD~{len(patches)}"
+        out = _git_ok(tree, "format-patch", "-q", "-N", "--no-signature", "--zero-commit", "-o", str(PATCHES), since)
         return [Path(line) for line in out.splitlines()]
 
 
@@ -140,14 +150,15 @@ def plugins_without_ours() -> str:
 
 
 def run_against(tree: Path) -> int:
-    """The patch's own tests in the patched tree, then the serve test, with that tree first and the plugin off."""
+    """The patches' own tests in the patched tree, then the layer's and the serve test from this checkout, with that
+    tree first and the plugin off."""
     (tree / "pytest.ini").write_text(PYTEST_INI)
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "VLLM_PLUGINS": plugins_without_ours(),
         TREE_ENV: str(tree),
     }
-    for cwd, target in ((tree, UPSTREAM_TESTS), (ROOT, SERVE_TEST)):
+    for cwd, target in ((tree, UPSTREAM_TESTS), *((ROOT, test) for test in CHECKOUT_TESTS)):
         print(f"[upstream] pytest {target} against {tree}", file=sys.stderr, flush=True)
         done = subprocess.run([sys.executable, "-m", "pytest", target], cwd=cwd, env=env)
         if done.returncode != 0:

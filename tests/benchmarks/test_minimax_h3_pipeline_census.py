@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""The collective census end to end: two ``vllm-omni serve`` runs on four CPU ranks, fix off and on."""
+"""The collective census end to end: three ``vllm-omni serve`` runs on four CPU ranks: off, VAE only, whole request."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ pytestmark = [
     pytest.mark.integration,
 ]
 
-REQUESTS = 2
+REQUESTS = 3
 SCHEMA = {
-    "top": {"config", "versions", "runs", "media_identical", "projection"},
+    "top": {"config", "versions", "runs", "media_identical", "paired_timing", "projection"},
     "run": {"media_sha256", "ranks", "request_wall_s"},
     "request": {
         "new_registrations",
@@ -47,7 +47,15 @@ SCHEMA = {
         "reused_buffers",
         "shapes",
     },
-    "projection": {"formula", "scales", "dit_tokens", "fresh_MiB_per_request_rank0", "received_MiB_per_request_rank0"},
+    "projection": {
+        "formula",
+        "scales",
+        "dit_tokens",
+        "fresh_MiB_per_request_rank0",
+        "received_MiB_per_request_rank0",
+        "layer",
+    },
+    "rank": {"rank", "requests", "timing", "persistent_collectives"},
 }
 
 
@@ -63,26 +71,50 @@ def _requests(census, fix):
     return [(r["rank"], i, q) for r in census[2]["runs"][fix]["ranks"] for i, q in enumerate(r["requests"])]
 
 
-def test_exits_zero_with_media_identical_and_writes_json_and_plot(census):
+def test_exits_zero_with_media_identical_across_the_three_runs_and_writes_json_and_plot(census):
     code, out, summary = census
-    assert code == 0 and summary["media_identical"]
-    assert len(set(summary["runs"]["off"]["media_sha256"])) == 1  # identical requests, identical media
+    assert code == 0 and summary["media_identical"] and list(summary["runs"]) == ["off", "vae", "whole"]
+    digests = {tuple(run["media_sha256"]) for run in summary["runs"].values()}
+    assert len(digests) == 1 and len(set(next(iter(digests)))) == 1  # identical requests, identical media
     assert (out / "census.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_video_vae_fresh_bytes_are_zero_after_request_1_with_the_fix_and_not_without(census):
-    for rank, index, request in _requests(census, "on"):
-        vae = census_bench.by_component(request)["video_vae"]
-        assert vae["calls"] > 0
-        if index > 0:
-            assert vae["fresh_bytes"] == 0 and vae["persistent_buffers"] > 0, (rank, index, vae)
+def test_video_vae_fresh_bytes_are_zero_after_request_1_with_either_fix_and_not_without(census):
+    for fix in ("vae", "whole"):
+        for rank, index, request in _requests(census, fix):
+            vae = census_bench.by_component(request)["video_vae"]
+            assert vae["calls"] > 0
+            if index > 0:
+                assert vae["fresh_bytes"] == 0 and vae["persistent_buffers"] > 0, (fix, rank, index, vae)
     for rank, _, request in _requests(census, "off"):
         vae = census_bench.by_component(request)["video_vae"]
         assert vae["fresh_bytes"] > 0 and vae["persistent_buffers"] == 0, (rank, vae)
 
 
+def test_with_the_whole_request_fix_no_component_hands_the_backend_a_fresh_buffer_after_request_1(census):
+    for rank, index, request in _requests(census, "whole"):
+        for component, totals in census_bench.by_component(request).items():
+            if index > 0:
+                assert totals["fresh_bytes"] == 0 and totals["fresh_buffers"] == 0, (rank, index, component)
+    for fix in ("off", "vae"):  # without the layer, the text encoder and the DiT still do, every request
+        for rank, _, request in _requests(census, fix):
+            totals = census_bench.by_component(request)
+            assert totals["dit"]["fresh_buffers"] > 0 and totals["text_encoder"]["fresh_buffers"] > 0, (fix, rank)
+
+
+def test_the_layer_stops_allocating_after_request_1_and_never_falls_back(census):
+    for rank in census[2]["runs"]["whole"]["ranks"]:
+        rows = census_bench.layer_per_request(rank)
+        assert len(rows) == REQUESTS and rows[0]["workspace_allocations"] > 0
+        assert [r["workspace_allocations"] for r in rows[1:]] == [0] * (REQUESTS - 1)
+        assert all(r["fallbacks"] == 0 and r["staged_calls"] > 0 and r["resident_bytes"] > 0 for r in rows)
+        assert len({r["copied_bytes"] for r in rows}) == 1  # identical requests copy alike
+    for fix in ("off", "vae"):
+        assert all(census_bench.layer_per_request(r) == [] for r in census[2]["runs"][fix]["ranks"])
+
+
 def test_dit_and_text_encoder_collectives_are_present_and_attributed_on_every_rank(census):
-    for fix in ("off", "on"):
+    for fix in ("off", "vae", "whole"):
         for rank, index, request in _requests(census, fix):
             totals = census_bench.by_component(request)
             assert totals["dit"]["calls"] > 0 and totals["text_encoder"]["calls"] > 0, (fix, rank, index)
@@ -91,15 +123,16 @@ def test_dit_and_text_encoder_collectives_are_present_and_attributed_on_every_ra
             # Only request control outside the components (0.30.0 all-reduces a cancellation flag per stage).
             for site, books in request["books"].get("other", {}).items():
                 assert books["bytes_received"] <= 64 * books["calls"], (site, books)
-    # The fix touches the VAE only: the DiT's books are the same with it off and on.
-    off, on = (
-        census_bench.by_component(census[2]["runs"][f]["ranks"][0]["requests"][-1])["dit"] for f in ("off", "on")
-    )
-    assert off == on
+    # The VAE fix touches the VAE only; the layer changes no call and no byte moved, only which buffers.
+    runs = census[2]["runs"]
+    last = {fix: census_bench.by_component(runs[fix]["ranks"][0]["requests"][-1]) for fix in runs}
+    assert last["off"]["dit"] == last["vae"]["dit"]
+    moved = ("calls", "bytes_sent", "bytes_received")
+    assert all(last["whole"]["dit"][key] == last["off"]["dit"][key] for key in moved)
 
 
 def test_every_request_shows_release_windows_between_components(census):
-    for fix in ("off", "on"):
+    for fix in ("off", "vae", "whole"):
         for _, _, request in _requests(census, fix):
             assert request["releases"] >= 2
             steps = [step for step in request["timeline"] if step not in ("release", "other")]
@@ -110,8 +143,10 @@ def test_every_request_shows_release_windows_between_components(census):
 def test_census_json_schema_is_stable(census):
     summary = census[2]
     assert set(summary) == SCHEMA["top"] and set(summary["projection"]) == SCHEMA["projection"]  # TP: projected
-    for fix in ("off", "on"):
+    assert summary["projection"]["layer"]["resident_MiB_rank0"] > 0
+    for fix in ("off", "vae", "whole"):
         assert set(summary["runs"][fix]) == SCHEMA["run"]
+        assert all(set(rank) == SCHEMA["rank"] for rank in summary["runs"][fix]["ranks"])
         for _, _, request in _requests(census, fix):
             assert set(request) == SCHEMA["request"]
             assert request["bookkeeping_errors"] == 0  # every collective of the served request was booked
@@ -121,6 +156,14 @@ def test_census_json_schema_is_stable(census):
             assert len(rank["timing"]) == len(rank["requests"])
             assert all(t["wall_s"] > 0 and t["cpu_s"] > 0 for t in rank["timing"])
         assert len(summary["runs"][fix]["request_wall_s"]) == len(summary["runs"][fix]["ranks"][0]["requests"])
+
+
+def test_the_side_by_side_runs_give_paired_ratios_per_rank_with_intervals(census):
+    paired = census[2]["paired_timing"]
+    ranks = [f"rank{r}_{key}" for r in range(4) for key in ("wall_s", "cpu_s")]
+    assert set(paired) == {"client_wall", *ranks}
+    for estimate in paired.values():
+        assert estimate["pairs"] == REQUESTS - 1 and estimate["low"] <= estimate["value"] <= estimate["high"]
 
 
 def test_bad_arguments_are_refused_naming_the_value(capsys):

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""``vllm-omni serve`` on four CPU ranks, the whole MiniMax-H3 pipeline, with the gather fix on and off.
+"""``vllm-omni serve`` on four CPU ranks, the whole MiniMax-H3 pipeline, with the whole-request fix on and off.
 
 The server is the released vLLM-Omni's own, started as a subprocess; CPU ranks come from the test-only
 platform in tests/cpu_platform (gloo, SDPA, a counted ``empty_cache``). Each run sends the same three
-text-to-video+audio requests over HTTP; the fix must be installed in every worker, serve every VAE tile
-gather, and leave the returned media byte-identical to the run with the fix off.
+text-to-video+audio requests over HTTP. "On" is the VAE tile gather and the persistent-collectives layer:
+both must be installed in every worker, the gather must serve every VAE tile gather, and the returned media
+must be byte-identical to the run with both off.
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ def test_every_worker_hooked_and_installed_the_fix_once(fix_on):
     assert counts["installs"] == serve_cpu.WORLD
 
 
+def test_every_worker_installed_the_collectives_layer_once(fix_on):
+    layer = serve_cpu.receipt_pids(fix_on["log"], "layer_installs")
+    workers = serve_cpu.receipt_pids(fix_on["log"], "installs")  # the VAE gather's install: worker processes only
+    assert len(workers) == serve_cpu.WORLD and all(layer[pid] == 1 for pid in workers), (layer, workers)
+    # With the plugin, every vLLM-Omni process installs it (the API server too); upstream, the workers do.
+    assert sum(layer.values()) == serve_cpu.WORLD + (1 if PLUGIN_HOOKS else 0)
+
+
 def test_the_reused_workspace_served_every_vae_gather_of_every_request(fix_on):
     counts = serve_cpu.receipts(fix_on["log"])
     assert counts["gathers"] == serve_cpu.WORLD * len(PROMPTS) * GATHERS_PER_REQUEST
@@ -78,6 +87,7 @@ def test_media_are_byte_identical_with_the_fix_off(fix_on, fix_off):
     assert fix_on["media"] == fix_off["media"]
     counts = serve_cpu.receipts(fix_off["log"])
     assert counts["plugin_hooks"] == PLUGIN_HOOKS and counts["installs"] == 0 and counts["gathers"] == 0
+    assert counts["layer_installs"] == 0
 
 
 def test_the_server_shuts_down_cleanly_on_sigterm(fix_on, fix_off):

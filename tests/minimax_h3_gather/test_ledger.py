@@ -162,3 +162,30 @@ def test_only_a_holding_ledger_keeps_a_buffer_alive_after_its_owner_drops_it(hol
         del buffer
         assert report.new_registrations == 1 and report.pinned_bytes == NBYTES  # booked by the model either way
         assert (storage_ref() is not None) is hold
+
+
+def _reduce_fresh() -> None:
+    dist.all_reduce(torch.randn(4096))
+
+
+def test_under_the_persistent_layer_the_ledger_counts_its_workspace_not_the_callers_tensors():
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    assert pc.install_persistent_collectives(enabled=True, device_type="cpu")
+    plain = dict(pc.installed().plain)
+    try:
+        with CollectiveLedger() as ledger:
+            for _ in range(3):
+                _reduce_fresh()
+                ledger.mark_release()
+            first = ledger.end_request()
+            _reduce_fresh()
+            later = ledger.end_request()
+        assert pc.installed().plain == plain  # the ledger put the layer's backend side back
+    finally:
+        pc.uninstall_persistent_collectives()
+    assert first.new_registrations == 1 and first.calls == 3  # one workspace, three fresh callers
+    ((site, books),) = first.books["all"].items()
+    assert site.startswith("all_reduce @ _reduce_fresh (test_ledger.py")  # the caller, not the layer
+    assert books["persistent_buffers"] == 2
+    assert later.new_registrations == 0 and later.calls == 1

@@ -88,6 +88,35 @@ def test_vllm_omni_loader_hooks_the_adapter_once_and_the_env_decides_the_install
     assert "(vllm-omni 0." in line
 
 
+def _load_plugins_with_switch(rank: int, world: int, value: str) -> dict:
+    import torch.distributed as dist
+
+    from vllm_omni.distributed.persistent_collectives import SWITCH_ENV, installed
+    from vllm_omni.plugins import load_omni_general_plugins
+
+    os.environ.pop("VLLM_PLUGINS", None)
+    os.environ[SWITCH_ENV] = value
+    try:
+        load_omni_general_plugins()
+    except ValueError as error:
+        return {"error": str(error)}
+    return {
+        "installed": installed() is not None,
+        "wrapped": hasattr(dist.all_reduce, "_vllm_omni_persistent_collective"),
+    }
+
+
+@pytest.mark.parametrize(("value", "installed"), [("1", True), ("auto", False), ("0", False)])
+def test_the_plugin_installs_the_collectives_layer_as_its_switch_says(value, installed):
+    (report,) = results_or_raise(run_ranks(_load_plugins_with_switch, 1, value), 1)
+    assert report == {"installed": installed, "wrapped": installed}
+
+
+def test_a_bad_layer_switch_fails_the_plugin_load_naming_the_value():
+    (report,) = results_or_raise(run_ranks(_load_plugins_with_switch, 1, "on"), 1)
+    assert "VLLM_OMNI_PERSISTENT_COLLECTIVES='on' is not valid" in report["error"]
+
+
 def test_vllm_plugins_without_ours_leaves_the_adapter_untouched(component):
     (report,) = results_or_raise(run_ranks(_load_plugins_and_build, 1, component, "some_other_plugin"), 1)
     assert not report["hooked"]
