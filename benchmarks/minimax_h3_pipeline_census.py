@@ -54,7 +54,16 @@ TOTALS = ("calls", "bytes_sent", "bytes_received", "fresh_buffers", "fresh_bytes
 
 # The seed's request (vllm-omni #6996): 1344x768, 209 frames, 2 steps (one DiT forward), TP 4, real widths:
 # DiT hidden 5376 with 50 blocks and 2 refiner blocks; the video VAE decodes a 4x7 grid of 256-px tiles.
-SEED = {"height": 768, "width": 1344, "frames": 209, "hidden": 5376, "blocks": 52, "tiles": 28, "tile": 256}
+SEED = {
+    "height": 768,
+    "width": 1344,
+    "frames": 209,
+    "steps": 2,
+    "hidden": 5376,
+    "blocks": 52,
+    "tiles": 28,
+    "tile": 256,
+}
 
 
 def _run_dir(out: Path, layout: str, run: str) -> Path:
@@ -65,11 +74,21 @@ def _run_dir(out: Path, layout: str, run: str) -> Path:
     return run_dir
 
 
-def serve_and_count(model: Path, out: Path, layout: str, runs: tuple[str, ...], requests: int) -> dict[str, Any]:
+def serve_and_count(
+    model: Path,
+    out: Path,
+    layout: str,
+    runs: tuple[str, ...],
+    requests: int,
+    *,
+    device: str = "cpu",
+    request: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One server per run, all up at once, ``requests`` identical requests each in rotating order.
 
     Returns per run the media digests, every request's client wall time, and every rank's census.
     """
+    real = device != "cpu" or request is not None  # a real checkpoint: long start-up, long requests
     flags = (*COMMON_FLAGS, *LAYOUTS[layout])
     dirs = {run: _run_dir(out, layout, run) for run in runs}
     media: dict[str, list[bytes]] = {run: [] for run in runs}
@@ -78,12 +97,15 @@ def serve_and_count(model: Path, out: Path, layout: str, runs: tuple[str, ...], 
         servers = {}
         for run in runs:
             env = {CENSUS_ENV: str(dirs[run]), **RUNS[run]}
-            server = serve_cpu.serve(model, dirs[run] / "server.log", reuse=RUNS[run][REUSE_ENV], flags=flags, env=env)
+            log, reuse = dirs[run] / "server.log", RUNS[run][REUSE_ENV]
+            startup_s = 3600 if real else 600
+            server = serve_cpu.serve(model, log, reuse=reuse, flags=flags, env=env, startup_s=startup_s, device=device)
             servers[run] = stack.enter_context(server)
         for index in range(requests):
             for run in runs if index % 2 == 0 else runs[::-1]:
                 start = time.perf_counter()
-                media[run].append(serve_cpu.request_video(servers[run], PROMPT, seed=0))
+                timeout_s = 3600 if real else 600
+                media[run].append(serve_cpu.request_video(servers[run], PROMPT, 0, request, timeout_s))
                 walls[run].append(time.perf_counter() - start)
     results = {}
     for run in runs:
@@ -184,6 +206,46 @@ def layer_per_request(rank: dict[str, Any]) -> list[dict[str, int]]:
     return rows
 
 
+def memory_growth(runs: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """The seed's table: per run and rank, the memory sampled after each request and its growth between them.
+
+    On a device the metric is used minus reserved (outside PyTorch, where oneCCL's registrations show); on
+    CPU ranks it is the process RSS, which only shows what the census's own pinning costs.
+    """
+    table = {}
+    for name, run in runs.items():
+        rows = []
+        for rank in run["ranks"]:
+            samples = rank["memory"]
+            metric = "rss_bytes" if samples[0]["device"] == "cpu" else "non_pytorch_bytes"
+            values = [sample[metric] / MIB for sample in samples]
+            growth = [after - before for before, after in zip(values, values[1:], strict=False)]
+            rows.append({"rank": rank["rank"], "metric": metric, "after_request_MiB": values, "growth_MiB": growth})
+        table[name] = rows
+    return table
+
+
+def format_memory(summary: dict[str, Any]) -> list[str]:
+    table = summary["memory_growth"]
+    first = next(iter(table.values()))[0]
+    steps = [f"growth {i}->{i + 1} MiB" for i in range(1, len(first["after_request_MiB"]))]
+    lines = [["run", "rank", "after request 1 MiB", *steps]]
+    for name, rows in table.items():
+        for row in rows:
+            growth = [f"{g:+.1f}" for g in row["growth_MiB"]]
+            lines.append([name, str(row["rank"]), f"{row['after_request_MiB'][0]:.1f}", *growth])
+    if first["metric"] == "rss_bytes":
+        title = f"memory per rank ({memory_label(summary)}):"
+    else:
+        title = "device memory outside PyTorch per rank (driver used minus memory_reserved(), the seed's measure):"
+    return [title, *report.align(lines)]
+
+
+def memory_label(summary: dict[str, Any]) -> str:
+    run = next(iter(summary["runs"].values()))
+    return run["ranks"][0]["memory"][0]["label"]
+
+
 def format_table(summary: dict[str, Any]) -> str:
     header = ["run", "req", "component", "calls", "MiB sent", "MiB recv", "fresh bufs", "fresh MiB", "persistent"]
     lines = [header]
@@ -201,7 +263,7 @@ def format_table(summary: dict[str, Any]) -> str:
             timeline = " > ".join(request["timeline"])
             counts = f"{request['releases']} release(s), {request['barrier_temps']} barrier temp(s)"
             text.append(f"{fix}, request {index}: {counts}; {timeline}")
-    text += ["", *format_layer(summary), "", *format_timing(summary)]
+    text += ["", *format_layer(summary), "", *format_memory(summary), "", *format_timing(summary)]
     proj = summary["projection"]
     if proj is not None:
         text.append("")
@@ -273,7 +335,8 @@ def paired_timing(runs: dict[str, Any]) -> dict[str, Any] | None:
 def format_timing(summary: dict[str, Any]) -> list[str]:
     """Seconds per request, client wall and each rank's wall and CPU, then the paired ratios whole / off."""
     where = f"{os.cpu_count()} CPU core(s), {serve_cpu.WORLD} ranks per server"
-    text = [f"seconds per request ({where}; {' and '.join(PAIRED)} served side by side, in alternating order)"]
+    order = f"{' and '.join(PAIRED)} served side by side, in alternating order"
+    text = [f"seconds per request ({where}; {order if summary['config']['side_by_side'] else 'servers in turn'})"]
     lines = [["run", "req", "client wall", *(f"rank {r} wall / CPU" for r in range(serve_cpu.WORLD))]]
     for fix, run in summary["runs"].items():
         for index, client in enumerate(run["request_wall_s"]):
@@ -281,6 +344,9 @@ def format_timing(summary: dict[str, Any]) -> list[str]:
             lines.append([fix, str(index + 1), f"{client:.2f}", *ranks])
     text += report.align(lines)
     paired = summary["paired_timing"]
+    if not summary["config"]["side_by_side"]:
+        text.append("no paired ratio: the servers ran in turn (one server holds the cards)")
+        return text
     if paired is None:
         text.append("no paired ratio: it needs at least 2 requests after the first (--requests 3)")
         return text
@@ -320,43 +386,111 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     report.save(fig, [ax], path)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8, help="identical requests per server (default 8)")
     parser.add_argument("--layout", choices=tuple(LAYOUTS), default="tp", help="DiT parallelism (default tp)")
     parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="a downloaded MiniMax-H3 FL2VA checkpoint (default: the synthetic one)"
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "xpu"),
+        default="cpu",
+        help="cpu: four CPU ranks through the test-only platform; xpu: the installed XPU platform, one rank per card",
+    )
+    for name, key in (("height", "height"), ("width", "width"), ("num-frames", "frames"), ("steps", "steps")):
+        parser.add_argument(
+            f"--{name}", type=int, default=None, help=f"request's {name} (default {SEED[key]} with --model)"
+        )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.requests < 1:
         parser.error(f"--requests={args.requests}: expected an integer >= 1")
+    if args.model is not None and not (args.model / "model_index.json").is_file():
+        parser.error(f"--model={args.model}: expected a MiniMax-H3 checkpoint directory with a model_index.json")
+    if args.device == "xpu":
+        import torch
+
+        if not torch.xpu.is_available():
+            parser.error("--device xpu: this machine has no XPU that torch can use (torch.xpu.is_available() is False)")
+        if args.model is None:
+            parser.error("--device xpu needs --model PATH: the synthetic pipeline is for CPU ranks")
+    sizes = {"height": args.height, "width": args.width, "num_frames": args.num_frames, "steps": args.steps}
+    for name, value in sizes.items():
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')}={value}: expected a positive integer")
+    if args.model is None and any(value is not None for value in sizes.values()):
+        parser.error("--height, --width, --num-frames and --steps need --model: the synthetic request is fixed")
     return args
+
+
+def seed_request(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The request sent to a real checkpoint: the seed's size and steps unless given; None for the synthetic one."""
+    if args.model is None:
+        return None
+    return {
+        "height": args.height or SEED["height"],
+        "width": args.width or SEED["width"],
+        "num_frames": args.num_frames or SEED["frames"],
+        "num_inference_steps": args.steps or SEED["steps"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from minimax_h3_bench.synthetic.pipeline import build_synthetic_pipeline
+    request = seed_request(args)
+    if args.model is None:
+        from minimax_h3_bench.synthetic.pipeline import build_synthetic_pipeline
 
-    model = build_synthetic_pipeline(args.cache_dir)
-    where = f"{args.requests} requests on {serve_cpu.WORLD} CPU ranks each"
-    print(f"[census] {args.layout}: runs {' and '.join(PAIRED)} side by side, {where}", file=sys.stderr)
-    runs = serve_and_count(model, args.output_dir, args.layout, PAIRED, args.requests)
-    print(f"[census] {args.layout}: run vae, {where}", file=sys.stderr)
-    runs |= serve_and_count(model, args.output_dir, args.layout, ("vae",), args.requests)
+        model = build_synthetic_pipeline(args.cache_dir)
+    else:
+        model = args.model
+    # CPU ranks can share the machine; a server on cards holds them, so the servers then run in turn.
+    side_by_side = args.device == "cpu"
+    groups = [PAIRED, ("vae",)] if side_by_side else [(run,) for run in RUNS]
+    where = f"{args.requests} requests on {serve_cpu.WORLD} {args.device.upper()} ranks each"
+    runs: dict[str, Any] = {}
+    for group in groups:
+        print(f"[census] {args.layout}: run(s) {' and '.join(group)}, {where}", file=sys.stderr)
+        runs |= serve_and_count(
+            model, args.output_dir, args.layout, group, args.requests, device=args.device, request=request
+        )
     runs = {name: runs[name] for name in RUNS}
+    synthetic_tp = args.layout == "tp" and args.model is None  # the projection's formula assumes both
     summary = {
-        "config": {"layout": args.layout, "requests": args.requests, "world_size": serve_cpu.WORLD, "runs": RUNS},
+        "config": {
+            "layout": args.layout,
+            "requests": args.requests,
+            "world_size": serve_cpu.WORLD,
+            "runs": RUNS,
+            "device": args.device,
+            "model": str(model),
+            "request": request,
+            "side_by_side": side_by_side,
+        },
         "versions": {p: version(p) for p in ("torch", "vllm-omni")},
         "runs": runs,
         "media_identical": len({tuple(run["media_sha256"]) for run in runs.values()}) == 1,
-        "paired_timing": paired_timing(runs),
-        # Its formula assumes TP 4; the books of the run with the fix off carry every collective's plain shape.
-        "projection": projection(runs["off"], runs["whole"]) if args.layout == "tp" else None,
+        "memory_growth": memory_growth(runs),
+        "paired_timing": paired_timing(runs) if side_by_side else None,
+        # The books of the run with the fix off carry every collective's plain shape.
+        "projection": projection(runs["off"], runs["whole"]) if synthetic_tp else None,
     }
     (args.output_dir / "census.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.output_dir / "census.png")
     print(format_table(summary))
     print(f"[census] wrote {args.output_dir / 'census.json'} and {args.output_dir / 'census.png'}", file=sys.stderr)
     if not summary["media_identical"]:
+        if args.device != "cpu":  # a device's kernels need not be deterministic run to run; CPU's are here
+            print("[census] note: media differ between the runs (not required on a device)", file=sys.stderr)
+            return 0
         print("[census] FAIL: media differ between the runs", file=sys.stderr)
         return 1
     return 0

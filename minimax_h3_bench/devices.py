@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from minimax_h3_gather.memory import MemorySample, sample_memory
+
+__all__ = ["SUPPORTED", "MemorySample", "backend_for", "check_device", "rank_device", "sample_memory"]
 
 SUPPORTED = ("cpu", "xpu")
 
@@ -45,25 +47,3 @@ def rank_device(device: str, rank: int) -> torch.device:
         raise RuntimeError(f"rank {rank} needs xpu:{rank} but this machine has {count} XPU device(s)")
     torch.xpu.set_device(rank)
     return torch.device("xpu", rank)
-
-
-@dataclass(frozen=True)
-class MemorySample:
-    used_bytes: int  # what the driver reports in use on the card
-    reserved_bytes: int  # held by PyTorch's caching allocator
-    allocated_bytes: int  # in live PyTorch tensors
-
-    @property
-    def non_pytorch_bytes(self) -> int:
-        """Device memory in use outside PyTorch's allocator: where oneCCL's registrations show up."""
-        return self.used_bytes - self.reserved_bytes
-
-
-def sample_memory(device: torch.device, module: Any = None) -> MemorySample | None:
-    """Device memory after the device is idle; ``None`` on CPU, which has no such figure."""
-    if device.type == "cpu":
-        return None
-    module = module if module is not None else torch.get_device_module(device.type)
-    module.synchronize(device)
-    free, total = module.mem_get_info(device)
-    return MemorySample(total - free, module.memory_reserved(device), module.memory_allocated(device))

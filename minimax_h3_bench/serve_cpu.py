@@ -69,22 +69,27 @@ def serve(
     flags: tuple[str, ...] = SERVE_FLAGS,
     env: dict[str, str] | None = None,
     startup_s: float = 600,
+    device: str = "cpu",
 ) -> Iterator[Server]:
     """Start the server in its own session, wait for ``/health``, and on exit stop it and every child.
 
-    Raises if it does not become healthy, or if a process of its session outlives the stop by 60 s.
+    ``device="cpu"`` serves on CPU ranks through the test-only platform; ``"xpu"`` on the installed XPU
+    platform, one rank per card. Raises if it does not become healthy, or if a process of its session
+    outlives the stop by 60 s.
     """
     import requests
 
     port = free_port()
     command = [str(Path(sys.executable).with_name("vllm-omni")), "serve", str(model)]
     command += ["--host=127.0.0.1", f"--port={port}", *flags]
-    env = os.environ | {
+    on_cpu = {
         "VLLM_OMNI_CPU_TEST_PLATFORM": "1",
+        "OMP_NUM_THREADS": "1",  # four ranks share two cores
+    }
+    env = os.environ | (on_cpu if device == "cpu" else {}) | {
         "VLLM_OMNI_H3_VAE_GATHER_REUSE": reuse,
         "VLLM_OMNI_PERSISTENT_COLLECTIVES": reuse,  # the whole-request fix goes with the VAE's unless env says
         "VLLM_LOGGING_LEVEL": "DEBUG",  # the gather's per-call receipts
-        "OMP_NUM_THREADS": "1",  # four ranks share two cores
         **(env or {}),
     }
     log_file = log_path.open("w")
@@ -126,15 +131,15 @@ def stop(server: Server, grace_s: float = 60) -> None:
     raise RuntimeError(f"processes of vllm-omni serve (group {group}) were still running {grace_s} s after SIGTERM")
 
 
-def request_video(server: Server, prompt: str, seed: int, **params) -> bytes:
+def request_video(server: Server, prompt: str, seed: int, request: dict | None = None, timeout_s: float = 600) -> bytes:
     """One synchronous text-to-video+audio request; returns the MP4 (video and audio muxed)."""
     import requests
 
     from .synthetic.pipeline import REQUEST
 
-    fields = {"prompt": prompt, "seed": seed, **REQUEST, **params}
+    fields = {"prompt": prompt, "seed": seed, **(REQUEST if request is None else request)}
     response = requests.post(
-        server.url("/v1/videos/sync"), files={k: (None, str(v)) for k, v in fields.items()}, timeout=600
+        server.url("/v1/videos/sync"), files={k: (None, str(v)) for k, v in fields.items()}, timeout=timeout_s
     )
     if response.status_code != 200:
         raise RuntimeError(f"POST /v1/videos/sync -> {response.status_code}: {response.text[:2000]}")

@@ -5,7 +5,8 @@
 ``vllm_omni.general_plugins`` entry point, inert unless ``VLLM_OMNI_H3_CENSUS_DIR`` names a directory. Then
 each worker watches every ``torch.distributed`` collective with a ``CollectiveLedger`` from its first
 request on, attributes each to a pipeline component by its caller, closes a release window wherever the
-platform or the adapters empty the cache, and after every request writes ``census-rank<r>.json`` there. A
+platform or the adapters empty the cache, samples memory (on a device, used minus reserved; on CPU, the
+RSS), and after every request writes ``census-rank<r>.json`` there. A
 diagnostic for a few requests: on CPU ranks the ledger holds every buffer it sees, so that a freed address is
 never taken for a reused one; on a device it holds none, so the backend sees the addresses it would see anyway.
 """
@@ -25,8 +26,10 @@ import torch
 from vllm.logger import init_logger
 
 from vllm_omni.distributed import persistent_collectives
+from vllm_omni.distributed.collective_workspaces import resolve_device
 
 from .ledger import CollectiveLedger
+from .memory import memory_record
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
@@ -120,6 +123,8 @@ def register() -> None:
     # Off a CPU run the ledger only counts: holding real buffers would change the addresses the backend sees.
     on_cpu = current_omni_platform.device_type == "cpu" or not torch.accelerator.is_available()
     ledger = CollectiveLedger(limit=None, classify=classify, hold_buffers=on_cpu)
+    device_type = "cpu" if on_cpu else current_omni_platform.device_type
+    device = torch.device(device_type) if on_cpu else resolve_device(device_type)
     mark = _marking_releases(ledger)
     platform = type(current_omni_platform)
     if callable(getattr(platform, "empty_cache", None)):
@@ -130,6 +135,7 @@ def register() -> None:
 
     timing: list[dict[str, float]] = []
     layer_stats: list[dict[str, int] | None] = []
+    memory: list[dict[str, Any]] = []
 
     @functools.wraps(forward)
     def counted_forward(self, *args, **kwargs):
@@ -144,17 +150,17 @@ def register() -> None:
             ledger.end_request()
             layer = persistent_collectives.installed()
             layer_stats.append(None if layer is None else layer.stats())  # cumulative, since start-up
-            _write(directory, ledger, timing, layer_stats)
+            memory.append(memory_record(device))
+            _write(directory, ledger, {"timing": timing, "persistent_collectives": layer_stats, "memory": memory})
 
     setattr(counted_forward, _MARK, True)
     MiniMaxH3Pipeline.forward = counted_forward
     logger.info("[H3_CENSUS] counting every collective per request into %s", directory)
 
 
-def _write(directory: Path, ledger: CollectiveLedger, timing: list[dict], layer: list[dict | None]) -> None:
+def _write(directory: Path, ledger: CollectiveLedger, per_request: dict[str, list]) -> None:
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
-    requests = [r.as_dict() for r in ledger.requests]
-    books = {"rank": rank, "requests": requests, "timing": timing, "persistent_collectives": layer}
+    books = {"rank": rank, "requests": [r.as_dict() for r in ledger.requests], **per_request}
     (directory / f"census-rank{rank}.json").write_text(json.dumps(books, indent=1))

@@ -21,7 +21,7 @@ pytestmark = [
 
 REQUESTS = 3
 SCHEMA = {
-    "top": {"config", "versions", "runs", "media_identical", "paired_timing", "projection"},
+    "top": {"config", "versions", "runs", "media_identical", "memory_growth", "paired_timing", "projection"},
     "run": {"media_sha256", "ranks", "request_wall_s"},
     "request": {
         "new_registrations",
@@ -55,7 +55,7 @@ SCHEMA = {
         "received_MiB_per_request_rank0",
         "layer",
     },
-    "rank": {"rank", "requests", "timing", "persistent_collectives"},
+    "rank": {"rank", "requests", "timing", "persistent_collectives", "memory"},
 }
 
 
@@ -166,8 +166,63 @@ def test_the_side_by_side_runs_give_paired_ratios_per_rank_with_intervals(census
         assert estimate["pairs"] == REQUESTS - 1 and estimate["low"] <= estimate["value"] <= estimate["high"]
 
 
-def test_bad_arguments_are_refused_naming_the_value(capsys):
-    for argv, message in ((["--requests", "0"], "--requests=0"), (["--layout", "pp"], "invalid choice")):
-        with pytest.raises(SystemExit) as exc:
-            census_bench.parse_args(argv)
-        assert exc.value.code == 2 and message in capsys.readouterr().err
+def test_every_worker_samples_memory_after_each_request_as_rss_labelled_as_the_ledgers_cost(census):
+    for fix, run in census[2]["runs"].items():
+        for rank in run["ranks"]:
+            assert len(rank["memory"]) == REQUESTS, (fix, rank["rank"])
+            for sample in rank["memory"]:
+                assert set(sample) == {"device", "rss_bytes", "label"} and sample["device"] == "cpu"
+                assert sample["rss_bytes"] > 0 and "not a device figure" in sample["label"]
+
+
+def test_the_seed_table_has_per_rank_growth_between_consecutive_requests_for_each_run(census):
+    table = census[2]["memory_growth"]
+    assert list(table) == ["off", "vae", "whole"]
+    for fix, rows in table.items():
+        assert [row["rank"] for row in rows] == [0, 1, 2, 3], fix
+        for row in rows:
+            assert row["metric"] == "rss_bytes" and len(row["after_request_MiB"]) == REQUESTS
+            after = row["after_request_MiB"]
+            assert row["growth_MiB"] == [b - a for a, b in zip(after, after[1:], strict=False)]
+    text = census_bench.format_table(census[2])
+    assert (
+        "memory per rank (process RSS on CPU ranks" in text and "growth 1->2 MiB" in text and "growth 2->3 MiB" in text
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--requests", "0"], "--requests=0"),
+        (["--layout", "pp"], "invalid choice"),
+        (["--model", "/no/such/checkpoint"], "--model=/no/such/checkpoint: expected a MiniMax-H3 checkpoint"),
+        (["--height", "768"], "--height, --width, --num-frames and --steps need --model"),
+        (["--device", "gpu"], "invalid choice: 'gpu'"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_value(capsys, argv, message):
+    with pytest.raises(SystemExit) as exc:
+        census_bench.parse_args(argv)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_device_xpu_without_an_xpu_is_refused_at_once(capsys, tmp_path):
+    (tmp_path / "model_index.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:  # this machine has no XPU
+        census_bench.parse_args(["--device", "xpu", "--model", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "--device xpu: this machine has no XPU that torch can use" in capsys.readouterr().err
+
+
+def test_a_real_checkpoint_gets_the_seeds_request_unless_told_otherwise(tmp_path):
+    (tmp_path / "model_index.json").write_text("{}")
+    args = census_bench.parse_args(["--model", str(tmp_path), "--steps", "4"])
+    assert census_bench.seed_request(args) == {
+        "height": 768,
+        "width": 1344,
+        "num_frames": 209,
+        "num_inference_steps": 4,
+    }
+    assert census_bench.seed_request(census_bench.parse_args([])) is None
+    with pytest.raises(SystemExit):
+        census_bench.parse_args(["--model", str(tmp_path), "--num-frames", "0"])
