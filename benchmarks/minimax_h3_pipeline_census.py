@@ -364,26 +364,44 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    proj = summary["projection"]
+    fig, axes = plt.subplots(1, 2 if proj else 1, figsize=(14 if proj else 9, 4.5), squeeze=False)
+    ax = axes[0][0]
     runs = summary["runs"]
     requests = len(next(iter(runs.values()))["ranks"][0]["requests"])
     width = 0.8 / len(runs)
+    colours = dict(zip(COMPONENTS, ("C0", "C1", "C2", "C3", "C7"), strict=True))
     for position, (fix, hatch) in enumerate(zip(runs, ("", "//", ".."), strict=False)):
         offset = (position - (len(runs) - 1) / 2) * width
         bottom = [0.0] * requests
-        for component, colour in zip(COMPONENTS, ("C0", "C1", "C2", "C3", "C7"), strict=True):
+        for component, colour in colours.items():
             values = [by_component(r)[component]["fresh_bytes"] / MIB for r in runs[fix]["ranks"][0]["requests"]]
             label = f"{component} ({fix})" if any(values) else None
             positions = [i + 1 + offset for i in range(requests)]
             ax.bar(positions, values, width * 0.95, bottom=bottom, color=colour, hatch=hatch, label=label)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    proj = summary["projection"]
-    title = "Fresh bytes handed to collectives, rank 0 (measured, synthetic pipeline)"
-    if proj is not None:
-        seed = sum(proj["fresh_MiB_per_request_rank0"].values())
-        title += f"\nprojected to the seed's geometry with the fix off: {seed:,.0f} MiB per request (DiT dominates)"
+    title = "MEASURED: fresh bytes handed to collectives, rank 0 (synthetic pipeline)"
     ax.set(xlabel=f"request (bars left to right: {', '.join(runs)})", ylabel="MiB", title=title)
-    report.save(fig, [ax], path)
+    if proj is None:
+        report.save(fig, [ax], path)
+        return
+    # Beside it, the same books at the seed's geometry: per request from request 2 on (the last request's).
+    seed_ax = axes[0][1]
+    bottom = [0.0] * len(runs)
+    for component, colour in colours.items():
+        values = [
+            by_component(run["ranks"][0]["requests"][-1])[component]["fresh_bytes"] * proj["scales"][component] / MIB
+            for run in runs.values()
+        ]
+        positions = list(range(1, len(runs) + 1))
+        seed_ax.bar(positions, values, 0.6, bottom=bottom, color=colour, label=component if any(values) else None)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    seed_ax.set(
+        xlabel="run: " + ", ".join(f"{i} = {name}" for i, name in enumerate(runs, start=1)),
+        ylabel="MiB per request",
+        title="PROJECTION (not measured) to 1344x768, 209 frames, TP 4:\nfresh bytes per request from request 2 on",
+    )
+    report.save(fig, [ax, seed_ax], path)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,6 +124,15 @@ def checks(rank: int, world: int) -> dict[str, Any]:
 
     assert install_persistent_collectives(enabled=True, device_type="cpu")
     layer = installed()
+    # Sized before the first call: the largest collective below (a 5 x 33 int64 all-reduce) allocates nothing.
+    reserved = layer.reserve(5 * 33 * 8)
+    report["reserved"] = {"bytes": reserved, "allocations": layer.stats()["workspace_allocations"]}
+    dist.all_reduce(data(rank, (5, 33), torch.int64))
+    report["reserved"]["allocations_after_first_call"] = layer.stats()["workspace_allocations"]
+    try:
+        layer.reserve(0)
+    except ValueError as error:
+        report["reserved"]["bad"] = str(error)
     recorder = BackendRecorder(layer)
 
     # Values, bit for bit, and where the backend was handed its buffers.

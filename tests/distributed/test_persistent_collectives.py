@@ -68,5 +68,13 @@ def test_a_rank_without_memory_for_a_workspace_runs_the_plain_collective_and_log
             assert fallback["fallbacks"] == 0 and fallback["reasons"] == []
 
 
+def test_a_workspace_reserved_before_the_first_call_serves_it_without_allocating(reports):
+    for report in reports:
+        reserved = report["reserved"]
+        assert reserved["bytes"] == 1536 and reserved["allocations"] == 1  # 1320 bytes, aligned to 512
+        assert reserved["allocations_after_first_call"] == 1
+        assert reserved["bad"] == "nbytes=0: expected a positive int"
+
+
 def test_uninstall_puts_the_plain_collectives_back(reports):
     assert all(r["uninstalled"] for r in reports)

@@ -151,6 +151,20 @@ class PersistentCollectives:
                 self.pools[key] = WorkspacePool(key[1], group)
             return self.pools[key]
 
+    def reserve(self, nbytes: int, group: Any = None, device: torch.device | str | None = None) -> int:
+        """Grow one of ``group``'s workspaces to ``nbytes`` now, before the first request; returns its size.
+
+        For a caller that knows its largest collective: the first request then allocates nothing of that size.
+        """
+        if not isinstance(nbytes, int) or nbytes < 1:
+            raise ValueError(f"nbytes={nbytes!r}: expected a positive int")
+        pool = self.pool(group, torch.device(device if device is not None else self.device_type))
+        workspace = pool.acquire(nbytes)
+        if workspace is None:
+            raise RuntimeError(f"all {pool.limit} workspaces of the group on {pool.device} are in use")
+        pool.release(workspace)
+        return workspace.nbytes
+
     def run(self, name: str, stage: _Stage, plain_call: Callable[[], Any]) -> Any:
         """Run ``stage`` in a workspace; ``plain_call`` instead when none can be had on this rank."""
         pool = self.pool(stage.group, stage.device)
