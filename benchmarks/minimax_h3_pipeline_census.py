@@ -5,8 +5,8 @@
 Serves the whole synthetic pipeline with ``vllm-omni serve`` on four CPU ranks (TP 4 + VAE patch parallel
 4 in tile mode, model-level offload; ``--layout ulysses`` or ``ring`` for sequence parallel instead of TP)
 three times, ``--requests`` identical requests each: with both fixes off, with the VAE tile gather only, and
-with the persistent-collectives layer too. The servers without and with the whole fix run side by side and
-take their requests in alternating order, so that their request times pair up. Every worker keeps a census
+with the persistent-collectives layer too. The servers without and with the layer (VAE only, whole) run side
+by side and take their requests in alternating order, so that their request times pair up: the layer's cost. Every worker keeps a census
 (``minimax_h3_gather.census``): per request, component and call site, the calls, bytes moved, and how many
 buffers were fresh (new to the backend: a registration on XPU) or persistent across an ``empty_cache``.
 Prints a table, writes ``census.json`` and ``census.png``, and projects the bytes to the seed's geometry.
@@ -47,7 +47,7 @@ RUNS = {
     "vae": {REUSE_ENV: "1", SWITCH_ENV: "0"},
     "whole": {REUSE_ENV: "1", SWITCH_ENV: "1"},
 }
-PAIRED = ("whole", "off")  # served side by side, requests interleaved: their times pair up
+PAIRED = ("whole", "vae")  # served side by side, requests interleaved: the layer on / off, paired
 # Effective device copy bandwidth for the layer's copy cost at the seed's geometry (an assumption, not measured).
 COPY_GBS = 500.0
 TOTALS = ("calls", "bytes_sent", "bytes_received", "fresh_buffers", "fresh_bytes", "persistent_buffers")
@@ -319,7 +319,7 @@ def paired_timing(runs: dict[str, Any]) -> dict[str, Any] | None:
     """Whole fix / off, per rank (wall and CPU) and at the client, over the requests after the first."""
     if not all(name in runs for name in PAIRED):
         return None
-    on, off = (runs[name] for name in PAIRED)
+    on, off = (runs[name] for name in PAIRED)  # the layer on, the layer off
     skip = 1 if len(on["request_wall_s"]) >= 3 else 0  # request 1 warms both up, when there are pairs to spare
     if len(on["request_wall_s"]) - skip < 2:
         return None
@@ -333,7 +333,7 @@ def paired_timing(runs: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def format_timing(summary: dict[str, Any]) -> list[str]:
-    """Seconds per request, client wall and each rank's wall and CPU, then the paired ratios whole / off."""
+    """Seconds per request, client wall and each rank's wall and CPU, then the paired ratios whole / vae."""
     where = f"{os.cpu_count()} CPU core(s), {serve_cpu.WORLD} ranks per server"
     order = f"{' and '.join(PAIRED)} served side by side, in alternating order"
     text = [f"seconds per request ({where}; {order if summary['config']['side_by_side'] else 'servers in turn'})"]
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model
     # CPU ranks can share the machine; a server on cards holds them, so the servers then run in turn.
     side_by_side = args.device == "cpu"
-    groups = [PAIRED, ("vae",)] if side_by_side else [(run,) for run in RUNS]
+    groups = [PAIRED, ("off",)] if side_by_side else [(run,) for run in RUNS]
     where = f"{args.requests} requests on {serve_cpu.WORLD} {args.device.upper()} ranks each"
     runs: dict[str, Any] = {}
     for group in groups:

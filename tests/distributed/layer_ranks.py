@@ -79,6 +79,11 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
         dist.all_gather_into_tensor(output, data(rank, (4, 9), dtype, salt))
         return [output]
 
+    def all_gather_into_flat() -> list[torch.Tensor]:
+        output = torch.zeros(world * 12, dtype=dtype)
+        dist.all_gather_into_tensor(output, data(rank, (3, 4), dtype, salt))
+        return [output]
+
     def all_gather_list() -> list[torch.Tensor]:
         outputs = [torch.zeros((9, 4), dtype=dtype).t() for _ in range(world)]  # non-contiguous outputs
         dist.all_gather(outputs, data(rank, (4, 9), dtype, salt))
@@ -107,7 +112,8 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
         return [received]
 
     return {fn.__name__: fn for fn in (
-        all_reduce, all_reduce_max_non_contiguous, broadcast, all_gather_into_tensor, all_gather_list,
+        all_reduce, all_reduce_max_non_contiguous, broadcast, all_gather_into_tensor, all_gather_into_flat,
+        all_gather_list,
         all_to_all_single, all_to_all_single_uneven, ring_batch,
     )}  # fmt: skip
 

@@ -280,7 +280,8 @@ def _gather_into(
 ) -> _Stage:
     """Copy-in to this rank's slice of one output region, one in-place all-gather, copy-out (FSDP2's pattern).
 
-    ``output_shape`` is what the backend accepts for ``tensor``'s gather: the caller's own output, or flat.
+    ``output_shape`` is the caller's own output (the input keeps its shape: the backend accepted the pair), or
+    flat for a list gather (the input is flattened too).
     """
     rank, _ = _group_rank(group)
     plain = layer.plain["all_gather_into_tensor"]
@@ -306,8 +307,8 @@ def _stage_all_gather_into_tensor(layer: PersistentCollectives, a: dict) -> _Sta
     world = dist.get_world_size(a["group"])
     if not (layer.stages(output) and layer.stages(tensor)):
         return None
-    if output.dtype != tensor.dtype or output.numel() != world * tensor.numel() or output.dim() < 2:
-        return None  # 1-D outputs of N-D inputs and other forms: the backend's own checks
+    if output.dtype != tensor.dtype or output.numel() != world * tensor.numel():
+        return None  # the backend's own error
     return _gather_into(layer, output.shape, tensor, a["group"], a["async_op"], lambda v: output.copy_(v[0]))
 
 
