@@ -4,8 +4,9 @@
 
 ``vllm_omni/diffusion/models/minimax_h3/vae_gather.py`` and the persistent-collectives layer in
 ``vllm_omni/distributed/`` are laid out exactly where upstream keeps them, with no ``__init__.py`` of ours on
-the way, so ``pip install .`` drops them into the installed vLLM-Omni package. ``minimax_h3_gather`` holds the rest of what an operator runs: the plugin that calls
-the fix from the released adapter and the collective census. The reproducer's tooling
+the way, so ``pip install .`` drops them into the installed vLLM-Omni package. ``minimax_h3_gather`` holds the
+rest of what an operator runs: the plugin that calls the fixes from the released vLLM-Omni, and the collective
+census. The reproducer's tooling
 (``minimax_h3_bench``) and the tests are not installed.
 """
 

@@ -5,11 +5,12 @@
 Serves the whole synthetic pipeline with ``vllm-omni serve`` on four CPU ranks (TP 4 + VAE patch parallel
 4 in tile mode, model-level offload; ``--layout ulysses`` or ``ring`` for sequence parallel instead of TP)
 three times, ``--requests`` identical requests each: with both fixes off, with the VAE tile gather only, and
-with the persistent-collectives layer too. The servers without and with the layer (VAE only, whole) run side
-by side and take their requests in alternating order, so that their request times pair up: the layer's cost. Every worker keeps a census
-(``minimax_h3_gather.census``): per request, component and call site, the calls, bytes moved, and how many
-buffers were fresh (new to the backend: a registration on XPU) or persistent across an ``empty_cache``.
-Prints a table, writes ``census.json`` and ``census.png``, and projects the bytes to the seed's geometry.
+with the persistent-collectives layer too. The servers without and with the layer (VAE only, whole) run
+side by side and take their requests in alternating order, so that their request times pair up: the layer's
+cost. Every worker keeps a census (``minimax_h3_gather.census``): per request, component and call site, the
+calls, bytes moved, and how many buffers were fresh (new to the backend: a registration on XPU) or
+persistent across an ``empty_cache``, and memory after each request. Prints a table, writes ``census.json``
+and ``census.png``, and projects the bytes to the seed's geometry.
 
     python -m benchmarks.minimax_h3_pipeline_census --requests 8 --output-dir out/census
 """

@@ -86,12 +86,12 @@ def serve(
         "VLLM_OMNI_CPU_TEST_PLATFORM": "1",
         "OMP_NUM_THREADS": "1",  # four ranks share two cores
     }
-    env = os.environ | (on_cpu if device == "cpu" else {}) | {
+    fixes = {
         "VLLM_OMNI_H3_VAE_GATHER_REUSE": reuse,
         "VLLM_OMNI_PERSISTENT_COLLECTIVES": reuse,  # the whole-request fix goes with the VAE's unless env says
         "VLLM_LOGGING_LEVEL": "DEBUG",  # the gather's per-call receipts
-        **(env or {}),
     }
+    env = os.environ | (on_cpu if device == "cpu" else {}) | fixes | (env or {})
     log_file = log_path.open("w")
     process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(process, port, log_path)
