@@ -81,7 +81,7 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
 
     def all_gather_into_flat() -> list[torch.Tensor]:
         output = torch.zeros(world * 12, dtype=dtype)
-        dist.all_gather_into_tensor(output, data(rank, (3, 4), dtype, salt))
+        dist.all_gather_into_tensor(output, data(rank, (12,), dtype, salt))
         return [output]
 
     def all_gather_list() -> list[torch.Tensor]:
