@@ -191,7 +191,7 @@ class PersistentCollectives:
             pool.release(workspace)
             raise
         self.staged_calls += 1
-        self.copied_bytes += 2 * nbytes
+        self.copied_bytes += 2 * nbytes  # every region in and out: an upper bound (a broadcast copies one way)
 
         def finish() -> None:
             try:
@@ -218,10 +218,6 @@ class PersistentCollectives:
                 name,
                 reason,
             )
-
-
-def _group_rank(group: Any) -> tuple[int, int]:
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _no_copy(views: list[torch.Tensor]) -> None:
@@ -283,7 +279,7 @@ def _gather_into(
     ``output_shape`` is the caller's own output (the input keeps its shape: the backend accepted the pair), or
     flat for a list gather (the input is flattened too).
     """
-    rank, _ = _group_rank(group)
+    rank = dist.get_rank(group)
     plain = layer.plain["all_gather_into_tensor"]
     n = tensor.numel()
     shape = tensor.shape if len(output_shape) > 1 else torch.Size([n])
