@@ -108,7 +108,7 @@ def test_the_layer_stops_allocating_after_request_1_and_never_falls_back(census)
         assert len(rows) == REQUESTS and rows[0]["workspace_allocations"] > 0
         assert [r["workspace_allocations"] for r in rows[1:]] == [0] * (REQUESTS - 1)
         assert all(r["fallbacks"] == 0 and r["staged_calls"] > 0 and r["resident_bytes"] > 0 for r in rows)
-        assert len({r["copied_bytes"] for r in rows}) == 1  # identical requests copy alike
+        assert all(r["copied_bytes"] > 0 for r in rows)  # 0.30.0's cancellation checks vary in number per request
     for fix in ("off", "vae"):
         assert all(census_bench.layer_per_request(r) == [] for r in census[2]["runs"][fix]["ranks"])
 
