@@ -123,8 +123,7 @@ def register() -> None:
     # Off a CPU run the ledger only counts: holding real buffers would change the addresses the backend sees.
     on_cpu = current_omni_platform.device_type == "cpu" or not torch.accelerator.is_available()
     ledger = CollectiveLedger(limit=None, classify=classify, hold_buffers=on_cpu)
-    device_type = "cpu" if on_cpu else current_omni_platform.device_type
-    device = torch.device(device_type) if on_cpu else resolve_device(device_type)
+    device = resolve_device("cpu" if on_cpu else current_omni_platform.device_type)  # whose memory is sampled
     mark = _marking_releases(ledger)
     platform = type(current_omni_platform)
     if callable(getattr(platform, "empty_cache", None)):

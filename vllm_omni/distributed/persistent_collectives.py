@@ -376,8 +376,6 @@ _STAGES = {
     "all_to_all_single": _stage_all_to_all_single,
     "batch_isend_irecv": _stage_batch_isend_irecv,
 }
-# What the stages call on the backend: the wrapped functions themselves, and all_gather_into_tensor for list gathers.
-_BACKEND = tuple(_STAGES)
 
 _installed: PersistentCollectives | None = None
 
@@ -424,7 +422,8 @@ def install_persistent_collectives(*, enabled: bool | None = None, device_type: 
     if device_type is None:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         device_type = "xpu" if torch.xpu.is_available() else (accelerator.type if accelerator else "cpu")
-    plain = {name: getattr(dist, name) for name in _BACKEND if hasattr(dist, name)}
+    # What the stages call the backend through: the same functions (list gathers use all_gather_into_tensor).
+    plain = {name: getattr(dist, name) for name in _STAGES if hasattr(dist, name)}
     layer = PersistentCollectives(device_type, plain)
     for name in _STAGES:
         if name in plain:
