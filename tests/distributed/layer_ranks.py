@@ -64,6 +64,11 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
         dist.all_reduce(tensor)
         return [tensor]
 
+    def all_reduce_sum_transposed() -> list[torch.Tensor]:
+        tensor = data(rank, (33, 6), dtype, salt).t()
+        dist.all_reduce(tensor)
+        return [tensor]
+
     def all_reduce_max_non_contiguous() -> list[torch.Tensor]:
         tensor = data(rank, (33, 6), dtype, salt).t()
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
@@ -112,7 +117,7 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
         return [received]
 
     return {fn.__name__: fn for fn in (
-        all_reduce, all_reduce_max_non_contiguous, broadcast, all_gather_into_tensor, all_gather_into_flat,
+        all_reduce, all_reduce_sum_transposed, all_reduce_max_non_contiguous, broadcast, all_gather_into_tensor, all_gather_into_flat,
         all_gather_list,
         all_to_all_single, all_to_all_single_uneven, ring_batch,
     )}  # fmt: skip
@@ -142,7 +147,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     recorder = BackendRecorder(layer)
 
     # Values, bit for bit, and where the backend was handed its buffers.
-    workspaces = lambda: {w.block.untyped_storage().data_ptr() for p in layer.pools.values() for w in p.workspaces}  # noqa: E731
+    workspaces = lambda: {w.block.untyped_storage().data_ptr() for p in layer.all_pools() for w in p.workspaces}  # noqa: E731
     for request in range(3):
         handed: set[int] = set()
         for dtype in DTYPES:
@@ -174,7 +179,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     first, second = torch.full((16,), float(rank)), torch.full((1024,), float(rank))
     work_1 = dist.all_reduce(first, async_op=True)
     work_2 = dist.all_reduce(second, async_op=True)
-    pool = next(iter(layer.pools.values()))
+    (pool,) = layer.all_pools()
     report["async"] = {
         "busy_in_flight": sum(w.busy for w in pool.workspaces),
         "untouched_before_wait": bool((first == rank).all() and (second == rank).all()),
@@ -223,5 +228,5 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     }
     recorder.close()
     persistent_collectives.uninstall_persistent_collectives()
-    report["uninstalled"] = dist.all_reduce is layer.originals["all_reduce"]
+    report["uninstalled"] = dist.all_reduce is layer.originals["torch.distributed", "all_reduce"]
     return report

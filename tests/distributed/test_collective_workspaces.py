@@ -10,7 +10,14 @@ import pytest
 import torch
 
 from vllm_omni.distributed import collective_workspaces
-from vllm_omni.distributed.collective_workspaces import ALIGN, WorkspacePool, allocate_bytes, is_persistent
+from vllm_omni.distributed.collective_workspaces import (
+    ALIGN,
+    WorkspacePool,
+    allocate_bytes,
+    contiguous_region,
+    is_persistent,
+    region_of,
+)
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion]
 
@@ -63,10 +70,11 @@ def test_a_failed_growth_leaves_the_workspace_empty_and_free(monkeypatch):
 
 def test_carved_regions_are_aligned_views_of_one_block():
     pool = WorkspacePool(CPU, None)
-    regions = [(torch.Size([3, 5]), torch.bfloat16), (torch.Size([7]), torch.float64)]
+    regions = [contiguous_region(torch.Size([3, 5]), torch.bfloat16), region_of(torch.empty(7, 2).t())]
     workspace = pool.acquire(collective_workspaces.regions_nbytes(regions))
     first, second = workspace.carve(regions)
-    assert (first.shape, first.dtype, second.shape, second.dtype) == ((3, 5), torch.bfloat16, (7,), torch.float64)
+    assert (first.shape, first.dtype, second.shape, second.dtype) == ((3, 5), torch.bfloat16, (2, 7), torch.float32)
+    assert first.is_contiguous() and second.stride() == (1, 2)  # a region keeps its tensor's element order
     assert second.data_ptr() - first.data_ptr() == ALIGN
     assert first.untyped_storage().data_ptr() == workspace.block.data_ptr()
 

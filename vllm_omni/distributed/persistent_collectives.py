@@ -6,31 +6,52 @@ On XPU, oneCCL registers every allocation a collective is handed and does not le
 request's ``empty_cache()`` the activations a collective is called with sit at new addresses, so device
 memory outside PyTorch grows with every request. Installed, every ``torch.distributed`` collective on the
 request path copies its tensors into a workspace that persists across requests, runs in place there, and
-copies the result back, as vLLM's custom all-reduce and PyTorch FSDP2's all-gather do. Callers see the
-plain collective's semantics; the backend sees a bounded set of buffers.
+copies the result back, as vLLM's custom all-reduce and PyTorch FSDP2's all-gather do. A call the layer
+cannot stage with the plain collective's semantics goes to the plain collective unchanged.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+import torch.distributed.distributed_c10d as c10d
 from vllm.logger import init_logger
 
-from .collective_workspaces import WorkspacePool, is_persistent, regions_nbytes, resolve_device
+from .collective_workspaces import (
+    Region,
+    WorkspacePool,
+    contiguous_region,
+    is_dense,
+    is_persistent,
+    region_of,
+    regions_nbytes,
+    resolve_device,
+    synchronize,
+)
 
 logger = init_logger(__name__)
 
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
-_MARK = "_vllm_omni_persistent_collective"
-Regions = list[tuple[torch.Size, torch.dtype]]
+KINDS = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "all_to_all_single",
+    "batch_isend_irecv",
+    "barrier",
+)
+# Both names are patched: callers reach torch.distributed's, and the object collectives reach c10d's own.
+_NAMESPACES = (dist, c10d)
 
 
 def switch_mode() -> str:
@@ -45,7 +66,7 @@ def switch_mode() -> str:
 class _Stage:
     """How one call goes through a workspace: what to carve, copy in, run on it, and copy out."""
 
-    regions: Regions
+    regions: list[Region]
     copy_in: Callable[[list[torch.Tensor]], None]
     call: Callable[[list[torch.Tensor]], Any]
     copy_out: Callable[[list[torch.Tensor]], None]
@@ -55,32 +76,46 @@ class _Stage:
 
 
 class _Completion:
-    """Waits for a staged collective's works exactly once (gloo cannot wait on a send twice), then finishes it."""
+    """Waits for a staged collective's works exactly once (gloo cannot wait on a send twice), then finishes it.
 
-    def __init__(self, works: Sequence[Any], finish: Callable[[], None]) -> None:
-        self.works = works
+    Once finished it holds nothing: neither the works (gloo's keep their tensors) nor the workspace's views.
+    """
+
+    def __init__(self, works: Sequence[Any], copy_out: Callable[[], None], release: Callable[[], None]) -> None:
+        self.works = list(works)
         self.done = False
-        self._finish = finish
-        self._lock = threading.Lock()
+        self.error: BaseException | None = None
+        self._copy_out, self._release = copy_out, release
+        self._lock = threading.RLock()
 
     def wait(self, *args: Any, **kwargs: Any) -> None:
         with self._lock:
-            if not self.done:
+            if self.done:
+                return
+            self.done = True
+            try:
                 for work in self.works:
                     work.wait(*args, **kwargs)
-                self.done = True
-                self._finish()
+                self._copy_out()
+            except BaseException as error:
+                self.error = error
+                raise
+            finally:
+                self._release()
+                self.works, self._copy_out, self._release = [], None, None
 
 
 class StagedWork:
     """The ``Work`` of an asynchronous staged collective: copies out and frees the workspace once waited on.
 
-    Every ``StagedWork`` of one ``batch_isend_irecv`` waits for the whole batch, since its receives are copied
-    out together.
+    A work dropped without ``wait()`` waits when it is collected, so its result still reaches the caller's
+    tensors and its workspace is freed. Every ``StagedWork`` of one ``batch_isend_irecv`` waits for the whole
+    batch, since its receives are copied out together.
     """
 
     def __init__(self, completion: _Completion) -> None:
         self._completion = completion
+        weakref.finalize(self, completion.wait).atexit = False
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         self._completion.wait(*args, **kwargs)
@@ -93,10 +128,10 @@ class StagedWork:
         return True
 
     def is_success(self) -> bool:
-        return all(work.is_success() for work in self._completion.works)
+        return self._completion.done and self._completion.error is None
 
     def exception(self) -> Any:
-        return next((e for e in (work.exception() for work in self._completion.works) if e is not None), None)
+        return self._completion.error
 
     def get_future(self) -> Any:
         raise NotImplementedError(
@@ -105,14 +140,45 @@ class StagedWork:
         )
 
 
+def _copy_back(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Write a result into the caller's tensor the way the backend would: no autograd version bump."""
+    if destination.is_inference():
+        destination.copy_(source)
+        return
+    with torch.autograd._unsafe_preserve_version_counter(destination):
+        destination.copy_(source)
+
+
+def _open(group: Any) -> bool:
+    """Whether this rank is in ``group`` and no coalescing context holds it (what the layer may stage)."""
+    try:
+        if c10d._rank_not_in_group(group):
+            return False
+        return (group if group is not None else c10d._get_default_group()) not in c10d._world.pg_coalesce_state
+    except Exception:  # no default group, or not a group: the plain collective says so
+        return False
+
+
+def _barrier_device(group: Any, device_ids: Any) -> torch.device:
+    """The device torch's ``barrier`` synchronizes on for ``group`` (its own rule, in the same order)."""
+    accelerator = torch._C._get_accelerator()
+    if isinstance(device_ids, list):
+        return torch.device(accelerator.type, device_ids[0])
+    if getattr(group, "bound_device_id", None) is not None:
+        return group.bound_device_id
+    if accelerator.type == "cpu" or c10d._get_object_coll_device(group) == "cpu":
+        return torch.device("cpu")
+    return resolve_device(accelerator.type)
+
+
 class PersistentCollectives:
     """Stages the collectives of tensors on one device type through per-group workspace pools."""
 
     def __init__(self, device_type: str, plain: dict[str, Callable]) -> None:
         self.device_type = device_type
-        self.originals = dict(plain)  # what install replaced in torch.distributed
         self.plain = plain  # what the backend is called through; a census may wrap these
-        self.pools: dict[tuple[int, torch.device], WorkspacePool] = {}
+        self.originals: dict[tuple[str, str], Callable] = {}  # what install replaced, by namespace and name
+        self.pools: weakref.WeakKeyDictionary[Any, dict[torch.device, WorkspacePool]] = weakref.WeakKeyDictionary()
         self.staged_calls = 0
         self.copied_bytes = 0
         self.passed_through = 0
@@ -120,8 +186,11 @@ class PersistentCollectives:
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
 
+    def all_pools(self) -> list[WorkspacePool]:
+        return [pool for by_device in list(self.pools.values()) for pool in by_device.values()]
+
     def stats(self) -> dict[str, int]:
-        pools = list(self.pools.values())
+        pools = self.all_pools()
         return {
             "staged_calls": self.staged_calls,
             "copied_bytes": self.copied_bytes,
@@ -134,22 +203,24 @@ class PersistentCollectives:
         }
 
     def stages(self, tensor: Any) -> bool:
-        """Whether a tensor argument is one this layer copies: a dense tensor on its device, not persistent."""
+        """Whether a tensor argument is one this layer copies: dense, non-empty, on its device, not persistent."""
         return (
             type(tensor) in (torch.Tensor, torch.nn.Parameter)
             and tensor.layout == torch.strided
             and tensor.device.type == self.device_type
             and tensor.numel() > 0
+            and is_dense(tensor)
             and not is_persistent(tensor)
         )
 
     def pool(self, group: Any, device: torch.device) -> WorkspacePool:
-        group = group if group is not None else dist.distributed_c10d._get_default_group()
-        key = (id(group), resolve_device(device))
+        group = group if group is not None else c10d._get_default_group()
+        device = resolve_device(device)
         with self._lock:
-            if key not in self.pools:
-                self.pools[key] = WorkspacePool(key[1], group)
-            return self.pools[key]
+            by_device = self.pools.setdefault(group, {})
+            if device not in by_device:
+                by_device[device] = WorkspacePool(device, group)
+            return by_device[device]
 
     def reserve(self, nbytes: int, group: Any = None, device: torch.device | str | None = None) -> int:
         """Grow one of ``group``'s workspaces to ``nbytes`` now, before the first request; returns its size.
@@ -165,20 +236,22 @@ class PersistentCollectives:
         pool.release(workspace)
         return workspace.nbytes
 
+    def pass_through(self, plain_call: Callable[[], Any]) -> Any:
+        self.passed_through += 1
+        return plain_call()
+
     def run(self, name: str, stage: _Stage, plain_call: Callable[[], Any]) -> Any:
         """Run ``stage`` in a workspace; ``plain_call`` instead when none can be had on this rank."""
-        pool = self.pool(stage.group, stage.device)
         nbytes = regions_nbytes(stage.regions)
         try:
+            pool = self.pool(stage.group, stage.device)
             workspace = pool.acquire(nbytes)
-            if workspace is None:
-                self._fallback(name, "busy", f"all {pool.limit} workspaces of its group on {pool.device} are in use")
-        except torch.OutOfMemoryError:
-            workspace = None
-            self._fallback(name, "memory", f"no memory for a workspace of {nbytes} bytes on {pool.device}")
+            problem = None if workspace is not None else ("busy", f"all {pool.limit} workspaces are in use")
+        except Exception as error:  # whatever the allocator raises: OutOfMemoryError on a device, RuntimeError on CPU
+            workspace, problem = None, ("memory", f"no workspace of {nbytes} bytes on {stage.device}: {error}")
         if workspace is None:
-            self.passed_through += 1
-            return plain_call()
+            self._fallback(name, *problem)
+            return self.pass_through(plain_call)
         try:
             # Workspace views are normal tensors whatever the caller's mode, since the backend writes them in place;
             # the copies run in inference mode, which may write both normal and inference tensors.
@@ -193,20 +266,21 @@ class PersistentCollectives:
         self.staged_calls += 1
         self.copied_bytes += 2 * nbytes  # every region in and out: an upper bound (a broadcast copies one way)
 
-        def finish() -> None:
-            try:
-                with torch.inference_mode():
-                    stage.copy_out(views)
-            finally:
-                pool.release(workspace)
+        def copy_out() -> None:
+            with torch.inference_mode():
+                stage.copy_out(views)
 
+        completion = _Completion(
+            (work if isinstance(work, list) else [work]) if stage.async_op else [],
+            copy_out,
+            lambda: pool.release(workspace),
+        )
         if not stage.async_op:
-            finish()
+            completion.wait()
             return work
         if isinstance(work, list):  # batch_isend_irecv: a Work per op, or one for the coalesced batch
-            completion = _Completion(work, finish)
             return [StagedWork(completion) for _ in work]
-        return StagedWork(_Completion([work], finish))
+        return StagedWork(completion)
 
     def _fallback(self, name: str, kind: str, reason: str) -> None:
         """Logged once per collective and kind of reason: the call runs on the caller's own buffers."""
@@ -219,189 +293,294 @@ class PersistentCollectives:
                 reason,
             )
 
+    # One method per kind, with the plain collective's parameters. Each stages the call, or hands it to the plain
+    # collective unchanged where staging would not keep its semantics (see the design note).
 
-def _no_copy(views: list[torch.Tensor]) -> None:
-    return None
+    def all_reduce(self, tensor, op, group, async_op):
+        plain = self.plain["all_reduce"]
+        if not (self.stages(tensor) and _open(group)):
+            return self.pass_through(lambda: plain(tensor, op=op, group=group, async_op=async_op))
+        stage = _Stage(
+            [region_of(tensor)],  # the caller's strides: a reduction sees elements in the same order
+            lambda v: v[0].copy_(tensor),
+            lambda v: plain(v[0], op=op, group=group, async_op=async_op),
+            lambda v: _copy_back(tensor, v[0]),
+            group,
+            tensor.device,
+            async_op,
+        )
+        return self.run("all_reduce", stage, lambda: plain(tensor, op=op, group=group, async_op=async_op))
 
+    def broadcast(self, tensor, src, group, async_op, group_src):
+        plain = self.plain["broadcast"]
+        kwargs = {"src": src, "group": group, "async_op": async_op, "group_src": group_src}
+        if not (self.stages(tensor) and _open(group)) or (src is None) == (group_src is None):
+            return self.pass_through(lambda: plain(tensor, **kwargs))
+        is_source = dist.get_rank(group) == group_src if group_src is not None else dist.get_rank() == src
+        stage = _Stage(
+            [region_of(tensor)],
+            (lambda v: v[0].copy_(tensor)) if is_source else (lambda v: None),
+            lambda v: plain(v[0], **kwargs),
+            (lambda v: None) if is_source else (lambda v: _copy_back(tensor, v[0])),
+            group,
+            tensor.device,
+            async_op,
+        )
+        return self.run("broadcast", stage, lambda: plain(tensor, **kwargs))
 
-def _region(tensor: torch.Tensor) -> tuple[torch.Size, torch.dtype]:
-    return tensor.shape, tensor.dtype
+    def _gather_in_place(self, output_shape, tensor, group, async_op, copy_out) -> _Stage:
+        """Copy-in to this rank's slice of one output region, one in-place all-gather, copy-out (FSDP2's pattern).
 
+        ``output_shape`` is the caller's output for a tensor gather (the input keeps its shape), flat for a list.
+        """
+        gather, rank, n = self.plain["all_gather_into_tensor"], dist.get_rank(group), tensor.numel()
+        shape = tensor.shape if len(output_shape) == tensor.dim() else torch.Size([n])
 
-# Each ``_stage_<name>`` returns how a call is staged, or None to hand it to the plain collective unchanged
-# (what the layer does not stage: other devices, persistent or empty tensors, forms the backend would refuse).
+        def mine(views: list[torch.Tensor]) -> torch.Tensor:
+            return views[0].view(-1)[rank * n : (rank + 1) * n].view(shape)
 
+        return _Stage(
+            [contiguous_region(output_shape, tensor.dtype)],
+            lambda v: mine(v).copy_(tensor.view(shape)),
+            lambda v: gather(v[0], mine(v), group=group, async_op=async_op),
+            copy_out,
+            group,
+            tensor.device,
+            async_op,
+        )
 
-def _stage_all_reduce(layer: PersistentCollectives, a: dict) -> _Stage | None:
-    tensor = a["tensor"]
-    if not layer.stages(tensor):
-        return None
-    plain = layer.plain["all_reduce"]
-    return _Stage(
-        [_region(tensor)],
-        lambda v: v[0].copy_(tensor),
-        lambda v: plain(v[0], op=a["op"], group=a["group"], async_op=a["async_op"]),
-        lambda v: tensor.copy_(v[0]),
-        a["group"],
-        tensor.device,
-        a["async_op"],
-    )
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group, async_op, name="all_gather_into_tensor"):
+        output, tensor = output_tensor, input_tensor
+        plain = self.plain[name]
+        call = lambda: plain(output, tensor, group=group, async_op=async_op)  # noqa: E731
+        if not (self._stages_all(output, tensor) and _open(group)):
+            return self.pass_through(call)
+        concatenated = (dist.get_world_size(group) * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else None
+        if output.dtype != tensor.dtype or tuple(output.shape) != concatenated:
+            return self.pass_through(call)  # a form not every backend takes: the backend decides, on every rank
+        stage = self._gather_in_place(output.shape, tensor, group, async_op, lambda v: _copy_back(output, v[0]))
+        return self.run(name, stage, call)
 
+    def all_gather_single(self, output_tensor, input_tensor, group, async_op):
+        return self.all_gather_into_tensor(output_tensor, input_tensor, group, async_op, name="all_gather_single")
 
-def _stage_broadcast(layer: PersistentCollectives, a: dict) -> _Stage | None:
-    tensor = a["tensor"]
-    if not layer.stages(tensor):
-        return None
-    if a["group_src"] is not None:
-        is_source = dist.get_rank(a["group"]) == a["group_src"]
-    elif a["src"] is not None:
-        is_source = dist.get_rank() == a["src"]
-    else:
-        return None
-    plain = layer.plain["broadcast"]
-    kwargs = {k: a[k] for k in ("src", "group", "async_op", "group_src")}
-    return _Stage(
-        [_region(tensor)],
-        (lambda v: v[0].copy_(tensor)) if is_source else _no_copy,
-        lambda v: plain(v[0], **kwargs),
-        _no_copy if is_source else (lambda v: tensor.copy_(v[0])),
-        a["group"],
-        tensor.device,
-        a["async_op"],
-    )
+    def all_gather(self, tensor_list, tensor, group, async_op):
+        plain = self.plain["all_gather"]
+        call = lambda: plain(tensor_list, tensor, group=group, async_op=async_op)  # noqa: E731
+        outputs_staged = isinstance(tensor_list, list) and all(self.stages(o) for o in tensor_list)
+        if not (outputs_staged and self._stages_all(tensor) and _open(group)):
+            return self.pass_through(call)
+        world = dist.get_world_size(group)
+        if len(tensor_list) != world or any(o.shape != tensor.shape or o.dtype != tensor.dtype for o in tensor_list):
+            return self.pass_through(call)  # uneven: the backend's own list gather, and its own errors
 
+        def copy_out(views: list[torch.Tensor]) -> None:
+            for output, part in zip(tensor_list, views[0].view(world, *tensor.shape).unbind(0), strict=True):
+                _copy_back(output, part)
 
-def _gather_into(
-    layer: PersistentCollectives, output_shape: torch.Size, tensor: torch.Tensor, group: Any, async_op: bool, copy_out
-) -> _Stage:
-    """Copy-in to this rank's slice of one output region, one in-place all-gather, copy-out (FSDP2's pattern).
+        stage = self._gather_in_place(torch.Size([world * tensor.numel()]), tensor, group, async_op, copy_out)
+        return self.run("all_gather", stage, call)
 
-    ``output_shape`` is the caller's own output (the input keeps its shape: the backend accepted the pair), or
-    flat for a list gather (the input is flattened too).
-    """
-    rank = dist.get_rank(group)
-    plain = layer.plain["all_gather_into_tensor"]
-    n = tensor.numel()
-    shape = tensor.shape if len(output_shape) > 1 else torch.Size([n])
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group, async_op):
+        plain = self.plain["all_to_all_single"]
+        kwargs = {
+            "output_split_sizes": output_split_sizes,
+            "input_split_sizes": input_split_sizes,
+            "group": group,
+            "async_op": async_op,
+        }
+        if not (self._stages_all(output, input) and _open(group)):
+            return self.pass_through(lambda: plain(output, input, **kwargs))
+        stage = _Stage(
+            [region_of(input), region_of(output)],
+            lambda v: v[0].copy_(input),
+            lambda v: plain(v[1], v[0], **kwargs),
+            lambda v: _copy_back(output, v[1]),
+            group,
+            input.device,
+            async_op,
+        )
+        return self.run("all_to_all_single", stage, lambda: plain(output, input, **kwargs))
 
-    def mine(views: list[torch.Tensor]) -> torch.Tensor:
-        return views[0].view(-1)[rank * n : (rank + 1) * n].view(shape)
+    def batch_isend_irecv(self, p2p_op_list):
+        plain = self.plain["batch_isend_irecv"]
+        ops = list(p2p_op_list) if isinstance(p2p_op_list, (list, tuple)) else []
+        if (
+            not ops
+            or not all(isinstance(op, dist.P2POp) and self.stages(op.tensor) for op in ops)
+            or len({op.tensor.device for op in ops}) != 1
+            or len({id(op.group) for op in ops}) != 1
+            or not _open(ops[0].group)
+        ):
+            return self.pass_through(lambda: plain(p2p_op_list))
+        sends = [op.op in (dist.isend, dist.send) for op in ops]
 
-    return _Stage(
-        [(output_shape, tensor.dtype)],
-        lambda v: mine(v).copy_(tensor.reshape(shape)),
-        lambda v: plain(v[0], mine(v), group=group, async_op=async_op),
-        copy_out,
-        group,
-        tensor.device,
-        async_op,
-    )
+        def copy_in(views: list[torch.Tensor]) -> None:
+            for op, view, is_send in zip(ops, views, sends, strict=True):
+                if is_send:
+                    view.copy_(op.tensor)
 
+        def copy_out(views: list[torch.Tensor]) -> None:
+            for op, view, is_send in zip(ops, views, sends, strict=True):
+                if not is_send:
+                    _copy_back(op.tensor, view)
 
-def _stage_all_gather_into_tensor(layer: PersistentCollectives, a: dict) -> _Stage | None:
-    output, tensor = a["output_tensor"], a["input_tensor"]
-    world = dist.get_world_size(a["group"])
-    if not (layer.stages(output) and layer.stages(tensor)):
-        return None
-    if output.dtype != tensor.dtype or output.numel() != world * tensor.numel():
-        return None  # the backend's own error
-    return _gather_into(layer, output.shape, tensor, a["group"], a["async_op"], lambda v: output.copy_(v[0]))
+        def call(views: list[torch.Tensor]) -> Any:
+            pairs = zip(ops, views, strict=True)
+            return plain([dist.P2POp(op.op, view, peer=op.peer, group=op.group, tag=op.tag) for op, view in pairs])
 
+        regions = [region_of(op.tensor) for op in ops]
+        stage = _Stage(regions, copy_in, call, copy_out, ops[0].group, ops[0].tensor.device, True)
+        return self.run("batch_isend_irecv", stage, lambda: plain(p2p_op_list))
 
-def _stage_all_gather(layer: PersistentCollectives, a: dict) -> _Stage | None:
-    outputs, tensor = a["tensor_list"], a["tensor"]
-    world = dist.get_world_size(a["group"])
-    if not (layer.stages(tensor) and len(outputs) == world and all(layer.stages(o) for o in outputs)):
-        return None
-    if any(o.shape != tensor.shape or o.dtype != tensor.dtype for o in outputs):
-        return None  # uneven: the backend's own list gather, and its own errors
+    def barrier(self, group, async_op, device_ids, timeout):
+        """An all-reduce of a one-element workspace region, then the host waits for the device, as XCCL's does."""
+        plain = self.plain["barrier"]
+        call = lambda: plain(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)  # noqa: E731
+        if timeout is not None or not _open(group):
+            return self.pass_through(call)
+        device = _barrier_device(group, device_ids)
+        if device.type != self.device_type:
+            return self.pass_through(call)
+        reduce = self.plain["all_reduce"]
+        stage = _Stage(
+            [contiguous_region(torch.Size([1]), torch.int32)],
+            lambda v: v[0].zero_(),
+            lambda v: reduce(v[0], group=group, async_op=async_op),
+            lambda v: synchronize(device),
+            group,
+            device,
+            async_op,
+        )
+        return self.run("barrier", stage, call)
 
-    def copy_out(views: list[torch.Tensor]) -> None:
-        for output, part in zip(outputs, views[0].view(world, *tensor.shape).unbind(0), strict=True):
-            output.copy_(part)
+    def _stages_all(self, *tensors: Any) -> bool:
+        """Every tensor staged, and contiguous: the forms the gathers and all-to-alls take in place."""
+        return all(self.stages(t) and t.is_contiguous() for t in tensors)
 
-    return _gather_into(layer, torch.Size([world * tensor.numel()]), tensor, a["group"], a["async_op"], copy_out)
-
-
-def _stage_all_to_all_single(layer: PersistentCollectives, a: dict) -> _Stage | None:
-    output, tensor = a["output"], a["input"]
-    if not (layer.stages(output) and layer.stages(tensor) and output.is_contiguous() and tensor.is_contiguous()):
-        return None  # the backend refuses non-contiguous tensors here; let it say so
-    plain = layer.plain["all_to_all_single"]
-    kwargs = {k: a[k] for k in ("output_split_sizes", "input_split_sizes", "group", "async_op")}
-    return _Stage(
-        [_region(tensor), _region(output)],
-        lambda v: v[0].copy_(tensor),
-        lambda v: plain(v[1], v[0], **kwargs),
-        lambda v: output.copy_(v[1]),
-        a["group"],
-        tensor.device,
-        a["async_op"],
-    )
-
-
-def _stage_batch_isend_irecv(layer: PersistentCollectives, a: dict) -> _Stage | None:
-    ops = list(a["p2p_op_list"])
-    if not ops or not all(layer.stages(op.tensor) for op in ops):
-        return None
-    if len({op.tensor.device for op in ops}) != 1 or len({id(op.group) for op in ops}) != 1:
-        return None
-    sends = [op.op in (dist.isend, dist.send) for op in ops]
-    plain = layer.plain["batch_isend_irecv"]
-
-    def copy_in(views: list[torch.Tensor]) -> None:
-        for op, view, is_send in zip(ops, views, sends, strict=True):
-            if is_send:
-                view.copy_(op.tensor)
-
-    def copy_out(views: list[torch.Tensor]) -> None:
-        for op, view, is_send in zip(ops, views, sends, strict=True):
-            if not is_send:
-                op.tensor.copy_(view)
-
-    def call(views: list[torch.Tensor]) -> Any:
-        pairs = zip(ops, views, strict=True)
-        return plain([dist.P2POp(op.op, view, peer=op.peer, group=op.group, tag=op.tag) for op, view in pairs])
-
-    regions = [_region(op.tensor) for op in ops]
-    return _Stage(regions, copy_in, call, copy_out, ops[0].group, ops[0].tensor.device, True)
-
-
-_STAGES = {
-    "all_reduce": _stage_all_reduce,
-    "broadcast": _stage_broadcast,
-    "all_gather": _stage_all_gather,
-    "all_gather_into_tensor": _stage_all_gather_into_tensor,
-    "all_gather_single": _stage_all_gather_into_tensor,
-    "all_to_all_single": _stage_all_to_all_single,
-    "batch_isend_irecv": _stage_batch_isend_irecv,
-}
 
 _installed: PersistentCollectives | None = None
-
-
-def _wrap(layer: PersistentCollectives, name: str, original: Callable) -> Callable:
-    signature = inspect.signature(original)
-    make_stage = _STAGES[name]
-
-    def collective(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
-        stage = make_stage(layer, a)
-        if stage is None:
-            layer.passed_through += 1
-            return layer.plain[name](*args, **kwargs)
-        return layer.run(name, stage, lambda: layer.plain[name](*args, **kwargs))
-
-    functools.update_wrapper(collective, original)
-    setattr(collective, _MARK, True)
-    return collective
 
 
 def installed() -> PersistentCollectives | None:
     """The installed layer: its ``plain`` functions are where the backend is reached, its ``stats()`` its cost."""
     return _installed
+
+
+# Inside torch.compile'd code the layer is reached through custom ops, which Dynamo keeps opaque (as vLLM does for
+# its own collectives) and whose eager kernels run the staged collective. Where the plain collective would break
+# the graph (broadcast, barrier, async calls, p2p batches), the staged one breaks it at the same call.
+
+
+def _group_name(group: Any) -> str:
+    return fc._resolve_group_name(group if group is not None else dist.group.WORLD)
+
+
+def _eager(name: str) -> Callable:
+    """The kind's staged call, or the plain one once the layer is gone, run outside any traced graph."""
+
+    def call(*args: Any) -> Any:
+        layer = _installed
+        return getattr(layer, name)(*args) if layer is not None else getattr(c10d, name)(*args)
+
+    return call
+
+
+_EAGER = {name: _eager(name) for name in KINDS}
+_REDUCE_OPS = {name: op for op, name in fc.REDUCE_OP_TO_STR.items()}
+
+
+@torch.library.custom_op("vllm_omni::persistent_all_reduce", mutates_args=("tensor",))
+def _all_reduce_op(tensor: torch.Tensor, op: str, group_name: str) -> None:
+    _EAGER["all_reduce"](tensor, _REDUCE_OPS[op], c10d._resolve_process_group(group_name), False)
+
+
+@torch.library.custom_op("vllm_omni::persistent_all_gather_into_tensor", mutates_args=("output",))
+def _all_gather_op(output: torch.Tensor, tensor: torch.Tensor, group_name: str) -> None:
+    _EAGER["all_gather_into_tensor"](output, tensor, c10d._resolve_process_group(group_name), False)
+
+
+@torch.library.custom_op("vllm_omni::persistent_all_to_all_single", mutates_args=("output",))
+def _all_to_all_op(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    group_name: str,
+) -> None:
+    group = c10d._resolve_process_group(group_name)
+    _EAGER["all_to_all_single"](output, tensor, output_split_sizes, input_split_sizes, group, False)
+
+
+for _op in (_all_reduce_op, _all_gather_op, _all_to_all_op):
+    _op.register_fake(lambda *args: None)
+
+_disabled = {name: torch._dynamo.disable(_EAGER[name], recursive=True) for name in KINDS}
+
+
+def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    if torch.compiler.is_compiling():
+        if async_op:
+            return _disabled["all_reduce"](tensor, op, group, async_op)
+        return _all_reduce_op(tensor, fc.REDUCE_OP_TO_STR[op], _group_name(group))
+    return _EAGER["all_reduce"](tensor, op, group, async_op)
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    if torch.compiler.is_compiling():
+        return _disabled["broadcast"](tensor, src, group, async_op, group_src)
+    return _EAGER["broadcast"](tensor, src, group, async_op, group_src)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    if torch.compiler.is_compiling():
+        if async_op:
+            return _disabled["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
+        return _all_gather_op(output_tensor, input_tensor, _group_name(group))
+    return _EAGER["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
+
+
+def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+    if torch.compiler.is_compiling():
+        if async_op:
+            return _disabled["all_gather_single"](output_tensor, input_tensor, group, async_op)
+        return _all_gather_op(output_tensor, input_tensor, _group_name(group))
+    return _EAGER["all_gather_single"](output_tensor, input_tensor, group, async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    if torch.compiler.is_compiling():
+        if async_op:
+            return _disabled["all_gather"](tensor_list, tensor, group, async_op)
+        output = tensor.new_empty((len(tensor_list) * tensor.shape[0], *tensor.shape[1:]))
+        _all_gather_op(output, tensor, _group_name(group))
+        for destination, part in zip(tensor_list, output.chunk(len(tensor_list)), strict=True):
+            destination.copy_(part)
+        return None
+    return _EAGER["all_gather"](tensor_list, tensor, group, async_op)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    if torch.compiler.is_compiling():
+        if async_op:
+            return _disabled["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group, async_op)
+        return _all_to_all_op(output, input, output_split_sizes, input_split_sizes, _group_name(group))
+    return _EAGER["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group, async_op)
+
+
+def batch_isend_irecv(p2p_op_list):
+    if torch.compiler.is_compiling():
+        return _disabled["batch_isend_irecv"](p2p_op_list)
+    return _EAGER["batch_isend_irecv"](p2p_op_list)
+
+
+def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    if torch.compiler.is_compiling():
+        return _disabled["barrier"](group, async_op, device_ids, timeout)
+    return _EAGER["barrier"](group, async_op, device_ids, timeout)
+
+
+STAGED = {name: globals()[name] for name in KINDS}  # what install puts in torch.distributed, by name
 
 
 def install_persistent_collectives(*, enabled: bool | None = None, device_type: str | None = None) -> bool:
@@ -422,27 +601,29 @@ def install_persistent_collectives(*, enabled: bool | None = None, device_type: 
     if device_type is None:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         device_type = "xpu" if torch.xpu.is_available() else (accelerator.type if accelerator else "cpu")
-    # What the stages call the backend through: the same functions (list gathers use all_gather_into_tensor).
-    plain = {name: getattr(dist, name) for name in _STAGES if hasattr(dist, name)}
-    layer = PersistentCollectives(device_type, plain)
-    for name in _STAGES:
-        if name in plain:
-            setattr(dist, name, _wrap(layer, name, plain[name]))
+    # The backend is reached through whatever torch.distributed held (a profiler's wrapper, say), called with the
+    # arguments the staged function received by the names of distributed_c10d's own signature.
+    layer = PersistentCollectives(device_type, {name: getattr(dist, name) for name in KINDS})
+    layer.originals = {(ns.__name__, name): getattr(ns, name) for ns in _NAMESPACES for name in KINDS}
     _installed = layer
+    for namespace in _NAMESPACES:
+        for name in KINDS:
+            setattr(namespace, name, STAGED[name])
     logger.info(
         "[PERSISTENT_COLLECTIVES] installed: %s of %s tensors go through persistent workspaces",
-        ", ".join(n for n in _STAGES if n in plain),
+        ", ".join(KINDS),
         device_type,
     )
     return True
 
 
 def uninstall_persistent_collectives() -> None:
-    """Put the plain collectives back; the workspaces are freed with the layer."""
+    """Put back what install replaced; the workspaces are freed with the layer."""
     global _installed
     if _installed is None:
         return
-    for name in _STAGES:
-        if getattr(getattr(dist, name, None), _MARK, False):
-            setattr(dist, name, _installed.originals[name])
+    for namespace in _NAMESPACES:
+        for name in KINDS:
+            if getattr(namespace, name, None) is STAGED[name]:
+                setattr(namespace, name, _installed.originals[namespace.__name__, name])
     _installed = None

@@ -1,0 +1,213 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""What each gloo rank runs for the contract tests: every case once plain and once staged, observed alike.
+
+A case returns what its caller could observe: results as bits, what was returned, what was raised. The test
+compares the staged observation with the plain one, which is the oracle.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed.layer_ranks import BackendRecorder, bits, data
+
+
+def observe(case: Callable[[], Any]) -> dict[str, Any]:
+    """Run a case; what it returned (tensors as bits, works by type) or what it raised."""
+    try:
+        value = case()
+    except Exception as error:  # the plain collective's error is part of its contract
+        return {"raised": type(error).__name__, "message": str(error).splitlines()[0]}
+    if isinstance(value, dict):
+        return {k: bits(v).tolist() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+    return {"value": value}
+
+
+def cases(rank: int, world: int, groups: dict[str, Any]) -> dict[str, Callable[[], Any]]:
+    outside = groups["outside"]  # ranks 1 and 2: rank 0 and rank 3 are not in it
+
+    def outside_group_sync() -> dict:
+        tensors = {k: data(rank, (4, 6), torch.float32, salt) for k, salt in (("reduce", 1), ("bcast", 2), ("a2a", 3))}
+        output = torch.zeros(4, 6)
+        returned = [
+            dist.all_reduce(tensors["reduce"], group=outside),
+            dist.broadcast(tensors["bcast"], src=1, group=outside),
+            dist.all_to_all_single(output, tensors["a2a"], group=outside),
+        ]
+        return {**tensors, "output": output, "returned": [type(r).__name__ for r in returned]}
+
+    def outside_group_async() -> dict:
+        tensor = data(rank, (5,), torch.float32, 4)
+        work = dist.all_reduce(tensor, group=outside, async_op=True)
+        if work is not None:
+            work.wait()
+        return {"tensor": tensor, "work": type(work).__name__ if work is None else "a work"}
+
+    def coalesced() -> dict:
+        first, second = data(rank, (3, 4), torch.float32, 5), data(rank, (7,), torch.float32, 6)
+        with dist._coalescing_manager(async_ops=True) as manager:
+            dist.all_reduce(first)
+            dist.all_reduce(second)
+        manager.wait()
+        return {"first": first, "second": second}
+
+    def transposed_sum() -> dict:
+        tensor = data(rank, (33, 96), torch.float32, 7).t()  # 4 ranks: each element's ring chunk is its memory slot
+        dist.all_reduce(tensor)
+        return {"tensor": tensor, "strides": list(tensor.stride())}
+
+    def strided_with_gaps() -> dict:
+        base = data(rank, (10, 20), torch.float32, 8)
+        dist.all_reduce(base[:, ::2])
+        return {"base": base}
+
+    def saved_for_backward() -> dict:
+        x = data(rank, (6,), torch.float32, 9).requires_grad_()
+        y = x.exp()  # exp saves its output for backward
+        before = y._version
+        dist.all_reduce(y)
+        bump = y._version - before
+        y.sum().backward()
+        return {"version_bump": bump, "grad": x.grad}
+
+    def flat_output_2d_input() -> dict:
+        output = torch.zeros(world * 6)
+        dist.all_gather_into_tensor(output, data(rank, (2, 3), torch.float32, 10))
+        return {"output": output}
+
+    def flat_output_0d_input() -> dict:
+        output = torch.zeros(world)
+        dist.all_gather_into_tensor(output, data(rank, (), torch.float32, 11))
+        return {"output": output}
+
+    def stacked_output() -> dict:
+        output = torch.zeros(world, 5)
+        dist.all_gather_single(output, data(rank, (5,), torch.float32, 12))
+        return {"output": output}
+
+    def dropped_works() -> dict:
+        # More than a pool's 8 workspaces, each work dropped at once. Plain, a dropped work's result lands whenever
+        # the backend's threads finish it; staged, when the work is collected. Integers make every sum exact.
+        tensors = [data(rank, (16,), torch.int64, 20 + i) for i in range(10)]
+        for tensor in tensors:
+            dist.all_reduce(tensor, async_op=True)
+        gc.collect()
+        sums = [sum(data(r, (16,), torch.int64, 20 + i) for r in range(world)) for i in range(10)]
+        return {"landed_by_collection": all(torch.equal(t, s) for t, s in zip(tensors, sums, strict=True))}
+
+    return {fn.__name__: fn for fn in (
+        outside_group_sync, outside_group_async, coalesced, transposed_sum, strided_with_gaps, saved_for_backward,
+        flat_output_2d_input, flat_output_0d_input, stacked_output, dropped_works,
+    )}  # fmt: skip
+
+
+def signature_less(fn: Callable) -> Callable:
+    """A profiler-style wrapper installed before the layer: ``(*args, **kwargs)``, no ``functools.wraps``."""
+
+    def recorded(*args, **kwargs):
+        signature_less.calls += 1
+        return fn(*args, **kwargs)
+
+    return recorded
+
+
+signature_less.calls = 0
+
+
+def checks(rank: int, world: int) -> dict[str, Any]:
+    from vllm_omni.distributed import collective_workspaces
+    from vllm_omni.distributed.persistent_collectives import (
+        KINDS,
+        install_persistent_collectives,
+        installed,
+        uninstall_persistent_collectives,
+    )
+
+    groups = {"outside": dist.new_group([1, 2])}
+    report: dict[str, Any] = {"plain": {}, "staged": {}}
+    for name, case in cases(rank, world, groups).items():
+        report["plain"][name] = observe(case)
+
+    # A recorder wraps every collective before the layer, the way a profiler does: without a signature.
+    wrapped = {name: getattr(dist, name) for name in KINDS}
+    for name in KINDS:
+        setattr(dist, name, signature_less(wrapped[name]))
+    assert install_persistent_collectives(enabled=True, device_type="cpu")
+    layer = installed()
+    recorder = BackendRecorder(layer)
+    for name, case in cases(rank, world, groups).items():
+        before = layer.stats()
+        recorder.take()
+        report["staged"][name] = observe(case)
+        report["staged"][name]["_staged"] = layer.stats()["staged_calls"] - before["staged_calls"]
+        report["staged"][name]["_fallbacks"] = layer.stats()["fallbacks"] - before["fallbacks"]
+    report["busy_after_all"] = sum(w.busy for p in layer.all_pools() for w in p.workspaces)
+    report["recorder_calls"] = signature_less.calls
+    recorder.close()
+
+    # Any allocator error on one rank: that rank runs the plain collective; every rank gets the result.
+    real_allocate = collective_workspaces.allocate_bytes
+    if rank == 1:
+
+        def cpu_allocator_error(*args, **kwargs):
+            raise RuntimeError("stand-in: DefaultCPUAllocator: can't allocate memory")
+
+        collective_workspaces.allocate_bytes = cpu_allocator_error
+    try:
+        big = [torch.full((1 << 16,), float(rank + call)) for call in range(3)]
+        for tensor in big:
+            dist.all_reduce(tensor)
+    finally:
+        collective_workspaces.allocate_bytes = real_allocate
+    report["allocator_error"] = {
+        "values": [float(t[0]) for t in big],
+        "expected": [float(sum(r + call for r in range(world))) for call in range(3)],
+        "fallbacks": layer.stats()["fallbacks"],
+        "warned": sorted(layer._fallbacks_logged),
+    }
+
+    # A waited work still referenced does not keep a grown workspace's old block alive.
+    fresh = dist.new_group(list(range(world)))
+    kept = dist.all_reduce(torch.ones(8), group=fresh, async_op=True)
+    kept.wait()
+    (pool,) = layer.pools[fresh].values()
+    (workspace,) = pool.workspaces
+    old_block = weakref.ref(workspace.block.untyped_storage())
+    dist.all_reduce(torch.ones(1 << 14), group=fresh)
+    gc.collect()
+    report["lifetime"] = {
+        "old_block_freed": old_block() is None,
+        "resident_is_live": pool.resident_bytes == workspace.block.numel(),
+        "kept": kept is not None,
+    }
+
+    # Pools die with their group.
+    pools_before = len(layer.pools)
+    for _ in range(10):
+        group = dist.new_group(list(range(world)))
+        dist.all_reduce(torch.ones(4096), group=group)
+        dist.destroy_process_group(group)
+        del group
+    gc.collect()
+    report["pools"] = {"before": pools_before, "after": len(layer.pools)}
+
+    # A barrier: an all-reduce of a workspace region; it holds every rank until the last arrives.
+    recorder = BackendRecorder(layer)
+    if rank == 0:
+        time.sleep(1.0)
+    started = time.monotonic()
+    dist.barrier()
+    report["barrier"] = {"waited_s": time.monotonic() - started, "calls": [name for name, _ in recorder.take()]}
+    recorder.close()
+    uninstall_persistent_collectives()
+    for name in KINDS:
+        setattr(dist, name, wrapped[name])
+    return report

@@ -1,0 +1,136 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""The layer keeps the plain collective's contract on four gloo ranks: every case run plain, then staged.
+
+The ranks start once per module (``contract_ranks.checks``); each test asserts one property.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch.distributed.distributed_c10d as c10d
+
+from tests.distributed import contract_ranks
+from tests.utils import results_or_raise, run_ranks, use_working_tree
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+
+WORLD = 4
+SAME_AS_PLAIN = (
+    "outside_group_sync",
+    "outside_group_async",
+    "coalesced",
+    "transposed_sum",
+    "strided_with_gaps",
+    "saved_for_backward",
+    "flat_output_2d_input",
+    "flat_output_0d_input",
+    "stacked_output",
+)
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return results_or_raise(run_ranks(contract_ranks.checks, WORLD, timeout_s=600, pg_timeout_s=60), WORLD)
+
+
+def _observed(report, case):
+    return {k: v for k, v in report["staged"][case].items() if not k.startswith("_")}
+
+
+@pytest.mark.parametrize("case", SAME_AS_PLAIN)
+def test_staged_call_is_observed_exactly_as_the_plain_one_on_every_rank(reports, case):
+    for rank, report in enumerate(reports):
+        assert _observed(report, case) == report["plain"][case], (rank, case)
+
+
+def test_a_rank_outside_the_group_is_left_alone_and_its_peers_are_staged(reports):
+    for rank, report in enumerate(reports):
+        staged = report["staged"]["outside_group_sync"]["_staged"]
+        assert staged == (3 if rank in (1, 2) else 0), rank
+        assert report["plain"]["outside_group_async"]["work"] == ("a work" if rank in (1, 2) else "NoneType")
+
+
+def test_calls_the_layer_cannot_stage_alike_go_to_the_plain_collective(reports):
+    for report in reports:
+        for case in (
+            "coalesced",
+            "strided_with_gaps",
+            "flat_output_2d_input",
+            "flat_output_0d_input",
+            "stacked_output",
+        ):
+            assert report["staged"][case]["_staged"] == 0, case
+
+
+def test_refused_shapes_raise_the_plain_error_on_every_rank(reports):
+    for report in reports:
+        for case in ("flat_output_2d_input", "flat_output_0d_input"):
+            assert "raised" in report["plain"][case] and _observed(report, case) == report["plain"][case]
+
+
+def test_a_transposed_sum_on_four_ranks_is_staged_in_its_own_element_order(reports):
+    for report in reports:
+        assert report["staged"]["transposed_sum"]["_staged"] == 1
+        assert report["staged"]["transposed_sum"]["strides"] == [1, 96]
+
+
+def test_no_autograd_version_bump_where_plain_makes_none(reports):
+    for report in reports:
+        assert report["plain"]["saved_for_backward"]["version_bump"] == 0
+        assert report["staged"]["saved_for_backward"]["version_bump"] == 0
+        assert report["staged"]["saved_for_backward"]["_staged"] == 1
+
+
+def test_a_work_dropped_without_wait_delivers_its_result_and_frees_its_workspace(reports):
+    for report in reports:
+        dropped = report["staged"]["dropped_works"]
+        assert dropped["landed_by_collection"] and dropped["_staged"] == 10 and dropped["_fallbacks"] == 0
+        assert report["busy_after_all"] == 0
+
+
+def test_any_allocator_error_on_one_rank_runs_the_plain_collective_there(reports):
+    for rank, report in enumerate(reports):
+        outcome = report["allocator_error"]
+        assert outcome["values"] == outcome["expected"], rank
+        assert outcome["fallbacks"] == (3 if rank == 1 else 0), rank
+        assert outcome["warned"] == ([("all_reduce", "memory")] if rank == 1 else []), rank
+
+
+def test_a_signature_less_wrapper_installed_first_still_reaches_the_backend(reports):
+    for report in reports:
+        assert report["recorder_calls"] > 0
+        assert all(_observed(report, case) == report["plain"][case] for case in SAME_AS_PLAIN)
+
+
+def test_a_referenced_work_does_not_keep_a_grown_workspaces_old_block(reports):
+    for report in reports:
+        assert report["lifetime"] == {"old_block_freed": True, "resident_is_live": True, "kept": True}
+
+
+def test_pools_die_with_their_group(reports):
+    for report in reports:
+        assert report["pools"]["after"] == report["pools"]["before"]
+
+
+def test_a_barrier_is_an_all_reduce_of_a_workspace_that_holds_every_rank_until_the_last(reports):
+    for rank, report in enumerate(reports):
+        assert report["barrier"]["calls"] == ["all_reduce"]
+        if rank != 0:  # rank 0 arrives a second late
+            assert report["barrier"]["waited_s"] > 0.5, rank
+
+
+def test_every_staged_function_has_distributed_c10ds_own_signature():
+    use_working_tree()
+    from vllm_omni.distributed.persistent_collectives import KINDS, STAGED
+
+    for name in KINDS:
+        assert getattr(c10d, name) is not STAGED[name]  # the oracle is torch's own function
+        assert (
+            inspect.signature(STAGED[name]).parameters.keys()
+            == inspect.signature(getattr(c10d, name)).parameters.keys()
+        )
+        defaults = [p.default for p in inspect.signature(STAGED[name]).parameters.values()]
+        assert defaults == [p.default for p in inspect.signature(getattr(c10d, name)).parameters.values()], name
