@@ -103,9 +103,18 @@ def cases(rank: int, world: int, groups: dict[str, Any]) -> dict[str, Callable[[
         sums = [sum(data(r, (16,), torch.int64, 20 + i) for r in range(world)) for i in range(10)]
         return {"landed_by_collection": all(torch.equal(t, s) for t, s in zip(tensors, sums, strict=True))}
 
+    def object_collectives() -> dict:
+        # Each packs its objects into tensors on the group's device and calls distributed_c10d's own broadcast and
+        # list all_gather: the names the layer patches beside torch.distributed's.
+        objects = [{"rank": rank, "prompt": "x" * (7 * rank + 1)}, None]
+        dist.broadcast_object_list(objects, src=world - 1)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, ("shape", rank, [rank] * rank))
+        return {"broadcast": objects, "gathered": [list(g) for g in gathered]}
+
     return {fn.__name__: fn for fn in (
         outside_group_sync, outside_group_async, coalesced, transposed_sum, strided_with_gaps, saved_for_backward,
-        flat_output_2d_input, flat_output_0d_input, stacked_output, dropped_works,
+        flat_output_2d_input, flat_output_0d_input, stacked_output, dropped_works, object_collectives,
     )}  # fmt: skip
 
 
@@ -145,8 +154,8 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     recorder = BackendRecorder(layer)
     for name, case in cases(rank, world, groups).items():
         before = layer.stats()
-        recorder.take()
         report["staged"][name] = observe(case)
+        report["staged"][name]["_handed"] = sorted({name for name, _ in recorder.take()})
         report["staged"][name]["_staged"] = layer.stats()["staged_calls"] - before["staged_calls"]
         report["staged"][name]["_fallbacks"] = layer.stats()["fallbacks"] - before["fallbacks"]
     report["busy_after_all"] = sum(w.busy for p in layer.all_pools() for w in p.workspaces)

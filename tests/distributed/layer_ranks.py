@@ -117,8 +117,8 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
         return [received]
 
     return {fn.__name__: fn for fn in (
-        all_reduce, all_reduce_sum_transposed, all_reduce_max_non_contiguous, broadcast, all_gather_into_tensor, all_gather_into_flat,
-        all_gather_list,
+        all_reduce, all_reduce_sum_transposed, all_reduce_max_non_contiguous, broadcast, all_gather_into_tensor,
+        all_gather_into_flat, all_gather_list,
         all_to_all_single, all_to_all_single_uneven, ring_batch,
     )}  # fmt: skip
 

@@ -87,3 +87,49 @@ def test_a_block_is_persistent_while_any_view_of_it_lives_and_forgotten_after():
     del view
     gc.collect()
     assert ptr not in collective_workspaces._persistent
+
+
+class _StreamRecorder:
+    """Stand-in for a device module (no card here): its events log where they are recorded and waited on."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, int, str]] = []
+        self.stream = "s1"
+
+    def Event(self):  # noqa: N802 - torch's device modules spell it so
+        recorder, number = self, sum(1 for entry in self.log if entry[0] == "record") + 1
+
+        class Event:
+            def record(self):
+                recorder.log.append(("record", number, recorder.stream))
+
+            def wait(self):
+                recorder.log.append(("wait", number, recorder.stream))
+
+        return Event()
+
+    def synchronize(self, device=None):
+        self.log.append(("synchronize", 0, self.stream))
+
+
+def test_a_released_workspace_is_next_used_only_after_its_last_users_stream_reaches_the_release(monkeypatch):
+    streams = _StreamRecorder()
+    monkeypatch.setattr(collective_workspaces, "device_module", lambda device: streams)
+    pool = WorkspacePool(CPU, None)
+    first = pool.acquire(64)  # a new workspace: nothing to wait for
+    assert streams.log == []
+    pool.release(first)  # copied out on s1
+    streams.stream = "s2"
+    assert pool.acquire(64) is first  # the next copy-in, on s2, waits for s1's copy-out
+    assert streams.log == [("record", 1, "s1"), ("wait", 1, "s2")]
+    pool.release(first)
+    assert pool.acquire(64) is first and streams.log[-2:] == [("record", 2, "s2"), ("wait", 2, "s2")]
+
+
+def test_growing_a_workspace_waits_for_the_device_before_its_old_block_goes(monkeypatch):
+    streams = _StreamRecorder()
+    monkeypatch.setattr(collective_workspaces, "device_module", lambda device: streams)
+    pool = WorkspacePool(CPU, None)
+    pool.release(pool.acquire(64))
+    pool.acquire(100_000)
+    assert [entry[0] for entry in streams.log] == ["record", "wait", "synchronize"]

@@ -28,6 +28,7 @@ SAME_AS_PLAIN = (
     "flat_output_2d_input",
     "flat_output_0d_input",
     "stacked_output",
+    "object_collectives",
 )
 
 
@@ -44,6 +45,13 @@ def _observed(report, case):
 def test_staged_call_is_observed_exactly_as_the_plain_one_on_every_rank(reports, case):
     for rank, report in enumerate(reports):
         assert _observed(report, case) == report["plain"][case], (rank, case)
+
+
+def test_object_collectives_are_staged_through_distributed_c10ds_own_names(reports):
+    for report in reports:
+        staged = report["staged"]["object_collectives"]
+        assert staged["_staged"] == 4  # sizes and payload, for each of the two
+        assert staged["_handed"] == ["all_gather_single", "broadcast"]  # list gathers run as one in place
 
 
 def test_a_rank_outside_the_group_is_left_alone_and_its_peers_are_staged(reports):

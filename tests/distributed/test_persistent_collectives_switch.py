@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from vllm_omni.distributed import persistent_collectives as pc
 
@@ -15,10 +16,10 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion]
 @pytest.fixture(autouse=True)
 def plain_collectives():
     pc.uninstall_persistent_collectives()
-    before = {name: getattr(dist, name) for name in pc._STAGES}
+    before = {(ns.__name__, name): getattr(ns, name) for ns in (dist, c10d) for name in pc.KINDS}
     yield before
     pc.uninstall_persistent_collectives()
-    assert {name: getattr(dist, name) for name in pc._STAGES} == before
+    assert {(ns.__name__, name): getattr(ns, name) for ns in (dist, c10d) for name in pc.KINDS} == before
 
 
 @pytest.mark.parametrize(("value", "installs"), [("auto", False), (" AUTO ", False), ("0", False), ("1", True)])
@@ -26,7 +27,9 @@ def test_the_switch_installs_on_1_and_in_auto_mode_only_on_xpu(monkeypatch, valu
     monkeypatch.setenv(pc.SWITCH_ENV, value)
     assert pc.install_persistent_collectives() is installs
     assert (pc.installed() is not None) is installs
-    assert getattr(dist.all_reduce, "_vllm_omni_persistent_collective", False) is installs
+    # Both names: callers reach torch.distributed's, the object collectives reach distributed_c10d's.
+    assert (dist.all_reduce is pc.STAGED["all_reduce"]) is installs
+    assert (c10d.broadcast is pc.STAGED["broadcast"]) is installs
 
 
 def test_auto_mode_installs_when_an_xpu_is_present(monkeypatch):
@@ -49,13 +52,13 @@ def test_install_is_idempotent_and_uninstall_restores_the_plain_functions(plain_
     assert pc.install_persistent_collectives(enabled=True, device_type="cpu")
     wrapped = dist.all_reduce
     assert pc.install_persistent_collectives(enabled=True, device_type="cpu") and dist.all_reduce is wrapped
-    assert pc.installed().plain["all_reduce"] is plain_collectives["all_reduce"]
+    assert pc.installed().plain["all_reduce"] is plain_collectives["torch.distributed", "all_reduce"]
     pc.uninstall_persistent_collectives()
-    assert dist.all_reduce is plain_collectives["all_reduce"] and pc.installed() is None
+    assert dist.all_reduce is plain_collectives["torch.distributed", "all_reduce"] and pc.installed() is None
 
 
 def test_uninstall_restores_the_originals_even_when_a_census_wraps_the_backend_side(plain_collectives):
     assert pc.install_persistent_collectives(enabled=True, device_type="cpu")
     pc.installed().plain["all_reduce"] = lambda *args, **kwargs: None  # what a ledger does below the layer
     pc.uninstall_persistent_collectives()
-    assert dist.all_reduce is plain_collectives["all_reduce"]
+    assert dist.all_reduce is plain_collectives["torch.distributed", "all_reduce"]
