@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""``vllm_omni.general_plugins`` entry point: the released vLLM-Omni gets both fixes in every process.
+"""``vllm_omni.general_plugins`` entry point: the released vLLM-Omni gets both fixes where upstream makes them.
 
-Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)``. A released
-vLLM-Omni does not, so this plugin makes ``__init__`` end with that call. vLLM-Omni loads it in every
-process, whatever model it serves, so it only arms an import hook: the adapter is patched when its module
-is first imported, and a process that never imports MiniMax-H3 pays nothing. It also installs the
-persistent-collectives layer, which its switch keeps to XPU unless told otherwise.
+Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)`` and the diffusion
+worker installs the persistent-collectives layer once its process groups are up. A released vLLM-Omni does
+neither, so this plugin makes the two calls at those points. vLLM-Omni loads it in every process (API server,
+LLM stages, workers of any model), so it only hooks: each class is patched when its module is loaded, and a
+process that never sets up a diffusion worker or a MiniMax-H3 adapter is left untouched.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ from .overlay import check_overlay, omni_version
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
 ADAPTER_MODULE = "vllm_omni.diffusion.models.minimax_h3.vae"
+WORKER_MODULE = "vllm_omni.diffusion.worker.diffusion_worker"
 _HOOK_MARK = "_minimax_h3_tile_gather_hook"
+_WORKER_MARK = "_persistent_collectives_hook"
 # What the hook relies on: the adapter's setup takes the component path, and the adapter reads the
 # checkpoint's parallel state the way install_tile_gather_reuse expects.
 _EXPECTED_METHODS = ("set_parallel_size", "_native_parallel_state", "offload_to_cpu")
@@ -83,18 +85,45 @@ def hook_adapter(module: ModuleType) -> bool:
     return True
 
 
+def hook_worker(module: ModuleType) -> bool:
+    """Make ``DiffusionWorker.init_device`` end with the layer's install, once; returns whether it is hooked."""
+    worker = getattr(module, "DiffusionWorker", None)
+    original = getattr(worker, "init_device", None) if isinstance(worker, type) else None
+    if not callable(original):
+        logger.warning("[PERSISTENT_COLLECTIVES] plugin found no DiffusionWorker.init_device in %s", WORKER_MODULE)
+        return False
+    if getattr(original, _WORKER_MARK, False):
+        return True
+
+    @functools.wraps(original)
+    def init_device(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        # The process groups are up. Not guarded: a bad switch value fails every worker's start-up alike.
+        from vllm_omni.distributed.persistent_collectives import install_persistent_collectives
+
+        install_persistent_collectives()
+        return result
+
+    setattr(init_device, _WORKER_MARK, True)
+    worker.init_device = init_device
+    return True
+
+
+_HOOKS = {ADAPTER_MODULE: hook_adapter, WORKER_MODULE: hook_worker}
+
+
 def _hook_quietly(module: ModuleType) -> None:
     try:
-        hook_adapter(module)
+        _HOOKS[module.__name__](module)
     except Exception:  # never into vLLM-Omni's own import or a worker's start-up
-        logger.exception("[H3_VAE_GATHER] plugin could not hook %s; the adapter is left as released", ADAPTER_MODULE)
+        logger.exception("[H3_VAE_GATHER] plugin could not hook %s; it is left as released", module.__name__)
 
 
 class _HookOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself; wraps the loader of the adapter's module so the hook runs right after it."""
+    """Finds nothing itself; wraps the loader of a hooked module so its hook runs right after it."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != ADAPTER_MODULE:
+        if fullname not in _HOOKS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:
@@ -110,16 +139,16 @@ class _HookOnImport(importlib.abc.MetaPathFinder):
 
 
 def register() -> None:
-    """Install the collectives layer; hook the adapter now if its module is loaded, else when it is first imported.
+    """Hook the adapter and the diffusion worker now where their modules are loaded, else when first imported.
 
     Later calls are no-ops. A bad ``VLLM_OMNI_PERSISTENT_COLLECTIVES`` fails the process's start-up, alike on
     every rank, rather than leave one rank on other collectives than its peers.
     """
-    from vllm_omni.distributed.persistent_collectives import install_persistent_collectives
+    from vllm_omni.distributed.persistent_collectives import switch_mode
 
-    install_persistent_collectives()
-    module = sys.modules.get(ADAPTER_MODULE)
-    if module is not None:
-        _hook_quietly(module)
-    elif not any(isinstance(finder, _HookOnImport) for finder in sys.meta_path):
+    switch_mode()
+    for name in _HOOKS:
+        if (module := sys.modules.get(name)) is not None:  # a spawned worker imports its module before the plugins
+            _hook_quietly(module)
+    if not any(isinstance(finder, _HookOnImport) for finder in sys.meta_path):
         sys.meta_path.insert(0, _HookOnImport())

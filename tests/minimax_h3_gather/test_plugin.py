@@ -88,33 +88,80 @@ def test_vllm_omni_loader_hooks_the_adapter_once_and_the_env_decides_the_install
     assert "(vllm-omni 0." in line
 
 
-def _load_plugins_with_switch(rank: int, world: int, value: str) -> dict:
+def _load_plugins_in_a_worker(rank: int, world: int, value: str) -> dict:
+    """A diffusion worker's order: its module is imported, then the plugins load, then ``init_device`` runs."""
     import torch.distributed as dist
 
-    from vllm_omni.distributed.persistent_collectives import SWITCH_ENV, installed
+    from vllm_omni.diffusion.worker import diffusion_worker
+    from vllm_omni.distributed.persistent_collectives import STAGED, SWITCH_ENV, installed
     from vllm_omni.plugins import load_omni_general_plugins
 
+    # Stand-in for the device and process-group set-up (the gloo group is already up in this rank).
+    diffusion_worker.DiffusionWorker.init_device = lambda self: "groups up"
     os.environ.pop("VLLM_PLUGINS", None)
     os.environ[SWITCH_ENV] = value
     try:
         load_omni_general_plugins()
     except ValueError as error:
         return {"error": str(error)}
+    before_init = installed() is not None
+    returned = diffusion_worker.DiffusionWorker.init_device(object())
     return {
+        "installed_before_init_device": before_init,
         "installed": installed() is not None,
-        "wrapped": hasattr(dist.all_reduce, "_vllm_omni_persistent_collective"),
+        "wrapped": dist.all_reduce is STAGED["all_reduce"],
+        "returned": returned,
     }
 
 
 @pytest.mark.parametrize(("value", "installed"), [("1", True), ("auto", False), ("0", False)])
-def test_the_plugin_installs_the_collectives_layer_as_its_switch_says(value, installed):
-    (report,) = results_or_raise(run_ranks(_load_plugins_with_switch, 1, value), 1)
-    assert report == {"installed": installed, "wrapped": installed}
+def test_the_plugin_installs_the_layer_when_a_diffusion_worker_sets_up_its_device_as_the_switch_says(value, installed):
+    (report,) = results_or_raise(run_ranks(_load_plugins_in_a_worker, 1, value), 1)
+    assert report == {
+        "installed_before_init_device": False,
+        "installed": installed,
+        "wrapped": installed,
+        "returned": "groups up",
+    }
 
 
 def test_a_bad_layer_switch_fails_the_plugin_load_naming_the_value():
-    (report,) = results_or_raise(run_ranks(_load_plugins_with_switch, 1, "on"), 1)
+    (report,) = results_or_raise(run_ranks(_load_plugins_in_a_worker, 1, "on"), 1)
     assert "VLLM_OMNI_PERSISTENT_COLLECTIVES='on' is not valid" in report["error"]
+
+
+_NOT_A_WORKER_PROCESS = """
+import json, sys
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+before = {n: (getattr(dist, n), getattr(c10d, n)) for n in ("all_reduce", "broadcast", "barrier", "all_gather")}
+from vllm_omni.plugins import load_omni_general_plugins
+load_omni_general_plugins()
+from vllm_omni.distributed.persistent_collectives import installed
+after = {n: (getattr(dist, n), getattr(c10d, n)) for n in before}
+print(json.dumps({
+    "untouched": after == before,
+    "installed": installed() is not None,
+    "worker_imported": "vllm_omni.diffusion.worker.diffusion_worker" in sys.modules,
+}))
+"""
+
+
+def test_loading_the_plugins_outside_a_diffusion_worker_leaves_torch_distributed_untouched():
+    # An API server or an LLM stage loads the same plugins; with the layer forced on, it still installs nothing.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_OMNI_", "VLLM_PLUGINS"))}
+    env["VLLM_OMNI_PERSISTENT_COLLECTIVES"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-c", _NOT_A_WORKER_PROCESS],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"untouched": True, "installed": False, "worker_imported": False}
 
 
 def test_vllm_plugins_without_ours_leaves_the_adapter_untouched(component):
