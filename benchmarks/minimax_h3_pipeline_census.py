@@ -84,13 +84,14 @@ def serve_and_count(
     *,
     device: str = "cpu",
     request: dict[str, Any] | None = None,
+    eager: bool = False,
 ) -> dict[str, Any]:
     """One server per run, all up at once, ``requests`` identical requests each in rotating order.
 
     Returns per run the media digests, every request's client wall time, and every rank's census.
     """
     real = device != "cpu" or request is not None  # a real checkpoint: long start-up, long requests
-    flags = (*COMMON_FLAGS, *LAYOUTS[layout])
+    flags = (*COMMON_FLAGS, *LAYOUTS[layout], *(("--enforce-eager",) if eager else ()))
     dirs = {run: _run_dir(out, layout, run) for run in runs}
     media: dict[str, list[bytes]] = {run: [] for run in runs}
     walls: dict[str, list[float]] = {run: [] for run in runs}
@@ -193,6 +194,19 @@ def projection(run: dict[str, Any], whole: dict[str, Any] | None) -> dict[str, A
     return projected
 
 
+def compile_summary(runs: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per run and rank, after its last request: whether the DiT ran compiled, and Dynamo's graph breaks."""
+    return {run: [{"rank": r["rank"], **r["compile"][-1]} for r in data["ranks"]] for run, data in runs.items()}
+
+
+def format_compile(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for run, ranks in summary["compile"].items():
+        compiled = "compiled" if all(r["dit_compiled"] for r in ranks) else "NOT compiled on every rank"
+        lines.append(f"{run:>5}: DiT {compiled}; graph breaks per rank {[r['graph_breaks'] for r in ranks]}")
+    return lines
+
+
 def layer_per_request(rank: dict[str, Any]) -> list[dict[str, int]]:
     """The layer's figures per request on one rank: resident workspaces as they stand, the rest per request."""
     rows, previous = [], None
@@ -264,6 +278,7 @@ def format_table(summary: dict[str, Any]) -> str:
             timeline = " > ".join(request["timeline"])
             counts = f"{request['releases']} release(s), {request['barrier_temps']} barrier temp(s)"
             text.append(f"{fix}, request {index}: {counts}; {timeline}")
+    text += ["", *format_compile(summary)]
     text += ["", *format_layer(summary), "", *format_memory(summary), "", *format_timing(summary)]
     proj = summary["projection"]
     if proj is not None:
@@ -412,6 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")
     parser.add_argument(
+        "--eager",
+        action="store_true",
+        help="serve with --enforce-eager (default: the DiT compiled, as vLLM-Omni runs it on XPU)",
+    )
+    parser.add_argument(
         "--model", type=Path, default=None, help="a downloaded MiniMax-H3 FL2VA checkpoint (default: the synthetic one)"
     )
     parser.add_argument(
@@ -479,7 +499,14 @@ def main(argv: list[str] | None = None) -> int:
     for group in groups:
         print(f"[census] {args.layout}: run(s) {' and '.join(group)}, {where}", file=sys.stderr)
         runs |= serve_and_count(
-            model, args.output_dir, args.layout, group, args.requests, device=args.device, request=request
+            model,
+            args.output_dir,
+            args.layout,
+            group,
+            args.requests,
+            device=args.device,
+            request=request,
+            eager=args.eager,
         )
     runs = {name: runs[name] for name in RUNS}
     synthetic_tp = args.layout == "tp" and args.model is None  # the projection's formula assumes both
@@ -493,10 +520,12 @@ def main(argv: list[str] | None = None) -> int:
             "model": str(model),
             "request": request,
             "side_by_side": side_by_side,
+            "dit_compile": not args.eager,
         },
         "versions": {p: version(p) for p in ("torch", "vllm-omni")},
         "runs": runs,
         "media_identical": len({tuple(run["media_sha256"]) for run in runs.values()}) == 1,
+        "compile": compile_summary(runs),
         "memory_growth": memory_growth(runs),
         "paired_timing": paired_timing(runs) if side_by_side else None,
         # The books of the run with the fix off carry every collective's plain shape.

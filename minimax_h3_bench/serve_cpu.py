@@ -44,6 +44,7 @@ RECEIPTS = {
     "workspace_allocs": r"\[H3_VAE_GATHER\] reuse=alloc ",
     "empty_cache": r"\[CPU_TEST_PLATFORM\] empty_cache #",
     "layer_installs": r"\[PERSISTENT_COLLECTIVES\] installed: ",
+    "dit_compile": r"Regional compilation applied to \d+ module",  # vLLM-Omni's own line: Inductor, lazy
 }
 
 

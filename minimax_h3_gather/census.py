@@ -86,6 +86,19 @@ def classify(frame: FrameType | None) -> str:
     return "other"
 
 
+def compile_record(pipeline: Any) -> dict[str, Any]:
+    """Whether the DiT's blocks ran as Dynamo-compiled code, and the graph breaks Dynamo counted in this process."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    blocks = list(getattr(getattr(pipeline, "transformer", None), "blocks", None) or [])
+    codes = {type(block).forward.__code__ for block in blocks}
+    return {
+        "dit_compiled": bool(codes) and all(_debug_get_cache_entry_list(code) for code in codes),
+        "graph_breaks": sum(counters["graph_break"].values()),
+    }
+
+
 def _marking_releases(ledger: CollectiveLedger) -> Callable[[Callable], Callable]:
     """Wrap a cache-emptying function so that each outermost call closes a release window."""
     depth = [0]
@@ -135,6 +148,7 @@ def register() -> None:
     timing: list[dict[str, float]] = []
     layer_stats: list[dict[str, int] | None] = []
     memory: list[dict[str, Any]] = []
+    compiled: list[dict[str, Any]] = []
 
     @functools.wraps(forward)
     def counted_forward(self, *args, **kwargs):
@@ -150,7 +164,9 @@ def register() -> None:
             layer = persistent_collectives.installed()
             layer_stats.append(None if layer is None else layer.stats())  # cumulative, since start-up
             memory.append(memory_record(device))
-            _write(directory, ledger, {"timing": timing, "persistent_collectives": layer_stats, "memory": memory})
+            compiled.append(compile_record(self))
+            books = {"timing": timing, "persistent_collectives": layer_stats, "memory": memory, "compile": compiled}
+            _write(directory, ledger, books)
 
     setattr(counted_forward, _MARK, True)
     MiniMaxH3Pipeline.forward = counted_forward

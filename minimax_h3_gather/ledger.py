@@ -15,11 +15,15 @@ does behind the caller's back are modelled too: a list-form ``all_gather`` recei
 flat buffer on every call, and ``barrier`` all-reduces a new 4-byte device tensor on every call. Whether
 oneCCL registers that 4-byte tensor is not known, so barrier temps are counted apart from registrations.
 
-Watched: the functions in ``COLLECTIVES`` as callers reach them through ``torch.distributed``; where the
-persistent-collectives layer is installed, below it, so that what is counted is what the backend is handed
-(its workspaces), never what callers pass in. Not seen:
-object collectives, functional collectives, and calls made on a ``ProcessGroup`` directly. An error in the
-ledger's own bookkeeping is logged once and never raised, so the collective it watches always runs.
+Watched: the functions in ``COLLECTIVES`` as callers reach them through ``torch.distributed`` and as the
+object collectives reach them through ``distributed_c10d`` (their sites name the object collective); where
+the persistent-collectives layer is installed, below it, so that what is counted is what the backend is
+handed (its workspaces), never what callers pass in. Inside ``torch.compile``d code, where Dynamo would turn a
+plain collective into a functional one that no Python wrapper sees at run time, the ledger routes it through
+the layer's opaque custom ops, which reach the (unstaged) collective at run time, where it is counted: with
+the layer off and on, the compiled graphs are then the same, and only the staging differs. Not seen: calls
+made on a ``ProcessGroup`` directly. An error in the ledger's own bookkeeping is logged once and never
+raised, so the collective it watches always runs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._dynamo.eval_frame import skip_code
 from vllm.logger import init_logger
 
 from vllm_omni.distributed import persistent_collectives
@@ -64,7 +70,20 @@ COLLECTIVES = (
 )
 # Not isend and irecv: P2POp checks its op against torch.distributed's own functions, so wrapping them would
 # break every batch_isend_irecv (Ring attention's); their batches are booked through batch_isend_irecv.
-_SKIP_FILES = (str(Path(dist.__file__).parent), __file__, persistent_collectives.__file__)
+_SKIP_FILES = (
+    str(Path(dist.__file__).parent),
+    str(Path(torch._dynamo.__file__).parent),  # the frames of torch._dynamo.disable
+    __file__,
+    persistent_collectives.__file__,
+)
+OBJECT_COLLECTIVES = (
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
 
 
 @dataclass
@@ -107,12 +126,15 @@ class RequestReport:
         return dict(vars(self))
 
 
-def _caller() -> FrameType | None:
-    """The first frame outside torch.distributed and this module: who handed the collective its buffers."""
-    frame = sys._getframe(2)
+def _caller() -> tuple[FrameType | None, str | None]:
+    """The first frame outside torch.distributed and this module (who handed the collective its buffers), and the
+    object collective it went through, if any."""
+    frame, via = sys._getframe(2), None
     while frame is not None and frame.f_code.co_filename.startswith(_SKIP_FILES):
+        if frame.f_code.co_name in OBJECT_COLLECTIVES:
+            via = frame.f_code.co_name
         frame = frame.f_back
-    return frame
+    return frame, via
 
 
 def _site_of(frame: FrameType | None) -> str:
@@ -205,10 +227,11 @@ class CollectiveLedger:
                 original = below[name]
                 below[name] = self._wrap(name, original)
                 self._restore.append(functools.partial(below.__setitem__, name, original))
-            else:
-                original = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, original))
-                self._restore.append(functools.partial(setattr, dist, name, original))
+                continue
+            wrapped = self._wrap(name, getattr(dist, name))
+            for namespace in (dist, c10d):  # callers reach the first, the object collectives the second
+                self._restore.append(functools.partial(setattr, namespace, name, getattr(namespace, name)))
+                setattr(namespace, name, wrapped)
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
@@ -217,7 +240,8 @@ class CollectiveLedger:
         self._restore.clear()
 
     def _wrap(self, name: str, original: Any) -> Any:
-        def collective(*args: Any, **kwargs: Any) -> Any:
+        @torch._dynamo.disable
+        def observed(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:  # a collective implemented through another one is counted once
                 self._observe_safely(name, args, kwargs)
             self._depth += 1
@@ -226,6 +250,14 @@ class CollectiveLedger:
             finally:
                 self._depth -= 1
 
+        traced = persistent_collectives.STAGED.get(name, original)
+
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():  # an opaque op that calls this wrapper again at run time
+                return traced(*args, **kwargs)
+            return observed(*args, **kwargs)
+
+        skip_code(collective.__code__)  # after a graph break at a collective, run as the plain one would be
         functools.update_wrapper(collective, original)  # keeps __name__: P2POp.op is read by name
         return collective
 
@@ -249,8 +281,8 @@ class CollectiveLedger:
 
     def _observe(self, name: str, args: tuple, kwargs: dict) -> None:
         self._calls += 1
-        frame = _caller()
-        site = f"{name} @ {_site_of(frame)}"
+        frame, via = _caller()
+        site = f"{name} ({via}) @ {_site_of(frame)}" if via else f"{name} @ {_site_of(frame)}"
         component = self._classify(frame)
         if self._timeline[-1:] != [component]:
             self._timeline.append(component)

@@ -5,8 +5,10 @@
 from __future__ import annotations
 
 import json
+from importlib.metadata import version
 
 import pytest
+from packaging.version import Version
 
 from benchmarks import minimax_h3_pipeline_census as census_bench
 from minimax_h3_gather.census import COMPONENTS
@@ -21,7 +23,16 @@ pytestmark = [
 
 REQUESTS = 3
 SCHEMA = {
-    "top": {"config", "versions", "runs", "media_identical", "memory_growth", "paired_timing", "projection"},
+    "top": {
+        "config",
+        "versions",
+        "runs",
+        "media_identical",
+        "compile",
+        "memory_growth",
+        "paired_timing",
+        "projection",
+    },
     "run": {"media_sha256", "ranks", "request_wall_s"},
     "request": {
         "new_registrations",
@@ -55,7 +66,7 @@ SCHEMA = {
         "received_MiB_per_request_rank0",
         "layer",
     },
-    "rank": {"rank", "requests", "timing", "persistent_collectives", "memory"},
+    "rank": {"rank", "requests", "timing", "persistent_collectives", "memory", "compile"},
 }
 
 
@@ -102,6 +113,28 @@ def test_with_the_whole_request_fix_no_component_hands_the_backend_a_fresh_buffe
             assert totals["dit"]["fresh_buffers"] > 0 and totals["text_encoder"]["fresh_buffers"] > 0, (fix, rank)
 
 
+def test_with_the_whole_fix_barriers_hand_the_backend_no_temporary_and_without_it_they_do(census):
+    assert all(request["barrier_temps"] == 0 for _, _, request in _requests(census, "whole"))
+    assert all(request["barrier_temps"] > 0 for _, _, request in _requests(census, "off"))
+
+
+def test_object_collectives_are_counted_by_call_site_and_staged_with_the_whole_fix(census):
+    # 0.30.0's pipeline broadcasts and gathers Python objects on the world's device group every request; 0.28.0's
+    # text-to-video path makes none.
+    sites = {
+        fix: {site for _, _, q in _requests(census, fix) for books in q["books"].values() for site in books}
+        for fix in ("off", "whole")
+    }
+    labelled = {fix: {site for site in found if "_object" in site.split(" @ ")[0]} for fix, found in sites.items()}
+    expected = Version(version("vllm-omni")) >= Version("0.30")
+    assert bool(labelled["off"]) is expected and bool(labelled["whole"]) is expected, labelled
+    for rank, index, request in _requests(census, "whole"):
+        for books in request["books"].values():
+            for site, site_books in books.items():
+                if "_object" in site.split(" @ ")[0] and index > 0:
+                    assert site_books["fresh_buffers"] == 0, (rank, index, site)
+
+
 def test_the_layer_stops_allocating_after_request_1_and_never_falls_back(census):
     for rank in census[2]["runs"]["whole"]["ranks"]:
         rows = census_bench.layer_per_request(rank)
@@ -138,6 +171,16 @@ def test_every_request_shows_release_windows_between_components(census):
             steps = [step for step in request["timeline"] if step not in ("release", "other")]
             order = [step for i, step in enumerate(steps) if i == 0 or steps[i - 1] != step]
             assert order == ["text_encoder", "dit", "video_vae"], request["timeline"]
+
+
+def test_every_run_compiles_the_dit_as_xpu_does_with_the_same_graph_breaks(census):
+    summary = census[2]
+    assert summary["config"]["dit_compile"]
+    for fix in ("off", "vae", "whole"):
+        for rank in summary["runs"][fix]["ranks"]:
+            assert [c["dit_compiled"] for c in rank["compile"]] == [True] * REQUESTS, (fix, rank["rank"])
+    breaks = {fix: [r["graph_breaks"] for r in ranks] for fix, ranks in summary["compile"].items()}
+    assert breaks["off"] == breaks["vae"] == breaks["whole"], breaks
 
 
 def test_census_json_schema_is_stable(census):

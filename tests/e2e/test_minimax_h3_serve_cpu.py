@@ -73,8 +73,13 @@ def test_every_worker_installed_the_collectives_layer_once(fix_on):
     layer = serve_cpu.receipt_pids(fix_on["log"], "layer_installs")
     workers = serve_cpu.receipt_pids(fix_on["log"], "installs")  # the VAE gather's install: worker processes only
     assert len(workers) == serve_cpu.WORLD and all(layer[pid] == 1 for pid in workers), (layer, workers)
-    # With the plugin, every vLLM-Omni process installs it (the API server too); upstream, the workers do.
-    assert sum(layer.values()) == serve_cpu.WORLD + (1 if PLUGIN_HOOKS else 0)
+    assert sum(layer.values()) == serve_cpu.WORLD  # diffusion workers only, with the plugin as upstream
+
+
+def test_every_worker_compiles_the_dit_as_vllm_omni_does_on_xpu(fix_on, fix_off):
+    for run in (fix_on, fix_off):
+        compiling = serve_cpu.receipt_pids(run["log"], "dit_compile")
+        assert len(compiling) == serve_cpu.WORLD and set(compiling.values()) == {1}, compiling
 
 
 def test_the_reused_workspace_served_every_vae_gather_of_every_request(fix_on):
