@@ -153,7 +153,7 @@ def register() -> None:
     @functools.wraps(forward)
     def counted_forward(self, *args, **kwargs):
         if not ledger.active:
-            ledger.__enter__()  # from the first request on; the worker's lifetime ends it
+            ledger.__enter__()  # at the latest from the first request on; the worker's lifetime ends it
         wall, cpu = time.perf_counter(), time.process_time()
         try:
             return forward(self, *args, **kwargs)
@@ -170,6 +170,17 @@ def register() -> None:
 
     setattr(counted_forward, _MARK, True)
     MiniMaxH3Pipeline.forward = counted_forward
+    init = MiniMaxH3Pipeline.__init__
+
+    @functools.wraps(init)
+    def init_and_count(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if not ledger.active:
+            # From the pipeline's construction on: what a worker does before its first forward (a scheduler's
+            # object broadcast, say) is booked with request 1, so that request 2 sees it as a reuse, not a first.
+            ledger.__enter__()
+
+    MiniMaxH3Pipeline.__init__ = init_and_count
     logger.info("[H3_CENSUS] counting every collective per request into %s", directory)
 
 
