@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.distributed.layer_ranks import BackendRecorder, bits, data
+from tests.distributed.layer_ranks import BackendRecorder, bits, data, one_rank_cannot_allocate
 
 
 def observe(case: Callable[[], Any]) -> dict[str, Any]:
@@ -132,7 +132,6 @@ signature_less.calls = 0
 
 
 def checks(rank: int, world: int) -> dict[str, Any]:
-    from vllm_omni.distributed import collective_workspaces
     from vllm_omni.distributed.persistent_collectives import (
         KINDS,
         install_persistent_collectives,
@@ -162,26 +161,9 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     report["recorder_calls"] = signature_less.calls
     recorder.close()
 
-    # Any allocator error on one rank: that rank runs the plain collective; every rank gets the result.
-    real_allocate = collective_workspaces.allocate_bytes
-    if rank == 1:
-
-        def cpu_allocator_error(*args, **kwargs):
-            raise RuntimeError("stand-in: DefaultCPUAllocator: can't allocate memory")
-
-        collective_workspaces.allocate_bytes = cpu_allocator_error
-    try:
-        big = [torch.full((1 << 16,), float(rank + call)) for call in range(3)]
-        for tensor in big:
-            dist.all_reduce(tensor)
-    finally:
-        collective_workspaces.allocate_bytes = real_allocate
-    report["allocator_error"] = {
-        "values": [float(t[0]) for t in big],
-        "expected": [float(sum(r + call for r in range(world))) for call in range(3)],
-        "fallbacks": layer.stats()["fallbacks"],
-        "warned": sorted(layer._fallbacks_logged),
-    }
+    # Any allocator error on one rank (the CPU allocator's is a RuntimeError): that rank runs the plain collective.
+    cpu_allocator_error = RuntimeError("stand-in: DefaultCPUAllocator: can't allocate memory")
+    report["allocator_error"] = one_rank_cannot_allocate(rank, world, layer, cpu_allocator_error)
 
     # A waited work still referenced does not keep a grown workspace's old block alive.
     fresh = dist.new_group(list(range(world)))

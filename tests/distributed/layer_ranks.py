@@ -123,6 +123,31 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
     )}  # fmt: skip
 
 
+def one_rank_cannot_allocate(rank: int, world: int, layer: Any, error: BaseException) -> dict[str, Any]:
+    """Rank 1's allocator raises ``error`` for three all-reduces; what every rank then holds and counted."""
+    from vllm_omni.distributed import collective_workspaces
+
+    real_allocate = collective_workspaces.allocate_bytes
+
+    def failing(*args, **kwargs):
+        raise error
+
+    if rank == 1:
+        collective_workspaces.allocate_bytes = failing
+    try:
+        big = [torch.full((1 << 16,), float(rank + call)) for call in range(3)]
+        for tensor in big:
+            dist.all_reduce(tensor)
+    finally:
+        collective_workspaces.allocate_bytes = real_allocate
+    return {
+        "values": [float(t[0]) for t in big],
+        "expected": [float(sum(r + call for r in range(world))) for call in range(3)],
+        "fallbacks": layer.stats()["fallbacks"],
+        "warned": sorted(layer._fallbacks_logged),
+    }
+
+
 def checks(rank: int, world: int) -> dict[str, Any]:
     from vllm_omni.distributed import collective_workspaces, persistent_collectives
     from vllm_omni.distributed.persistent_collectives import install_persistent_collectives, installed
@@ -203,29 +228,11 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     report["persistent_passed_through"] = [block.untyped_storage().data_ptr()] == recorder.take()[0][1]
 
     # Rank 1 cannot grow a workspace: it runs the plain collective, once logged; every rank gets the result.
-    real_allocate = collective_workspaces.allocate_bytes
     logged: list[str] = []
     real_fallback = layer._fallback
     layer._fallback = lambda name, kind, reason: (logged.append(reason), real_fallback(name, kind, reason))
-    if rank == 1:
-
-        def no_memory(*args, **kwargs):
-            raise torch.OutOfMemoryError("stand-in: no device memory for the workspace")
-
-        collective_workspaces.allocate_bytes = no_memory
-    try:
-        big = [torch.full((1 << 16,), float(rank + call)) for call in range(3)]
-        for tensor in big:
-            dist.all_reduce(tensor)
-    finally:
-        collective_workspaces.allocate_bytes = real_allocate
-    report["fallback"] = {
-        "values": [float(t[0]) for t in big],
-        "expected": [float(sum(r + call for r in range(world))) for call in range(3)],
-        "reasons": logged,
-        "warned": sorted(layer._fallbacks_logged),
-        "fallbacks": layer.fallbacks,
-    }
+    no_memory = torch.OutOfMemoryError("stand-in: no device memory for the workspace")
+    report["fallback"] = {**one_rank_cannot_allocate(rank, world, layer, no_memory), "reasons": logged}
     recorder.close()
     persistent_collectives.uninstall_persistent_collectives()
     report["uninstalled"] = dist.all_reduce is layer.originals["torch.distributed", "all_reduce"]

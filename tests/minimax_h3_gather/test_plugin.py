@@ -147,20 +147,19 @@ print(json.dumps({
 """
 
 
-def test_loading_the_plugins_outside_a_diffusion_worker_leaves_torch_distributed_untouched():
-    # An API server or an LLM stage loads the same plugins; with the layer forced on, it still installs nothing.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_OMNI_", "VLLM_PLUGINS"))}
-    env["VLLM_OMNI_PERSISTENT_COLLECTIVES"] = "1"
+def _fresh_process(code: str, **env: str) -> dict:
+    """Run ``code`` in a new interpreter without this project's switches (but ``env``); its last line, as JSON."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_OMNI_", "VLLM_PLUGINS"))}
     done = subprocess.run(
-        [sys.executable, "-c", _NOT_A_WORKER_PROCESS],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=clean | env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_loading_the_plugins_outside_a_diffusion_worker_leaves_torch_distributed_untouched():
+    # An API server or an LLM stage loads the same plugins; with the layer forced on, it still installs nothing.
+    report = _fresh_process(_NOT_A_WORKER_PROCESS, VLLM_OMNI_PERSISTENT_COLLECTIVES="1")
     assert report == {"untouched": True, "installed": False, "worker_imported": False}
 
 
@@ -212,18 +211,7 @@ print(json.dumps({"loaded": loaded, "hooked": getattr(MiniMaxH3VideoVAE.__init__
 
 
 def test_loading_the_plugins_imports_no_minimax_h3_module_and_the_first_import_hooks_the_adapter():
-    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("VLLM_OMNI_", "VLLM_PLUGINS"))}
-    done = subprocess.run(
-        [sys.executable, "-c", _OTHER_MODEL_PROCESS],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report == {"loaded": [], "hooked": True}
+    assert _fresh_process(_OTHER_MODEL_PROCESS) == {"loaded": [], "hooked": True}
 
 
 def test_a_failure_inside_the_hook_is_logged_and_never_reaches_the_import(monkeypatch, caplog):
