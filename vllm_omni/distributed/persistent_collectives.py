@@ -273,14 +273,13 @@ class PersistentCollectives:
             with torch.inference_mode():
                 stage.copy_out(views)
 
-        completion = _Completion(
-            (work if isinstance(work, list) else [work]) if stage.async_op else [],
-            copy_out,
-            lambda: pool.release(workspace),
-        )
         if not stage.async_op:
-            completion.wait()
+            try:
+                copy_out()
+            finally:
+                pool.release(workspace)
             return work
+        completion = _Completion(work if isinstance(work, list) else [work], copy_out, lambda: pool.release(workspace))
         if isinstance(work, list):  # batch_isend_irecv: a Work per op, or one for the coalesced batch
             return [StagedWork(completion) for _ in work]
         return StagedWork(completion)
