@@ -39,6 +39,28 @@ def traced_kinds(world: int) -> Callable[[torch.nn.Module, torch.Tensor], torch.
     return forward
 
 
+def odd_layouts(world: int) -> dict[str, Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]]:
+    """Layouts where the functional collective's row-major view of a tensor decides the result."""
+
+    def view_with_gaps(linear, x):
+        y = linear(x)
+        dist.all_reduce(y[:, :2])
+        return y * 1
+
+    def transposed_graph_input(linear, x):
+        xt = x.t()
+        dist.all_reduce(xt)
+        return xt * 1
+
+    def uneven_list_gather(linear, x):
+        y = linear(x)
+        parts = [torch.zeros_like(y) for _ in range(world - 1)] + [torch.zeros(1, y.shape[1])]
+        dist.all_gather(parts, y)
+        return torch.cat(parts)
+
+    return {fn.__name__: fn for fn in (view_with_gaps, transposed_graph_input, uneven_list_gather)}
+
+
 def breaking_kinds(rank: int, world: int) -> dict[str, Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]]:
     """Kinds the plain collective breaks the graph at: the staged one must break it at the same call, no more."""
 
@@ -76,9 +98,15 @@ def _run_compiled(fn, backend: str, linear, inputs) -> dict[str, Any]:
     counters.clear()
     compiled = torch.compile(fn, backend=backend, dynamic=True)
     with torch.no_grad():
-        outputs = [compiled(linear, x) for x in inputs]
+        outputs = []
+        for x in inputs:  # a clone: a function may write its input, and every run starts from the same values
+            try:
+                outputs.append(compiled(linear, x.clone()))
+            except Exception as error:
+                outputs.append(type(error).__name__)
+    outputs = [o if isinstance(o, str) else bits(o).tolist() for o in outputs]
     return {
-        "bits": [bits(o).tolist() for o in outputs],
+        "bits": outputs,
         "graph_breaks": sum(counters["graph_break"].values()),
         "graphs": counters["stats"]["unique_graphs"],
     }
@@ -112,6 +140,9 @@ def checks(rank: int, world: int) -> dict[str, Any]:
                 workspaces = {w.block.untyped_storage().data_ptr() for p in pools for w in p.workspaces}
                 report["handed_workspaces_only"][f"traced/{backend}"] = bool(handed) and set(handed) <= workspaces
                 recorder.close()
+        for name, fn in odd_layouts(world).items():
+            for backend in ("aot_eager", "inductor"):
+                report[mode][f"{name}/{backend}"] = _run_compiled(fn, backend, linear, inputs)
         for name, fn in breaking_kinds(rank, world).items():
             before = installed().stats()["staged_calls"] if mode == "on" else 0
             report[mode][name] = _run_compiled(fn, "eager", linear, inputs)

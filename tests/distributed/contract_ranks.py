@@ -9,9 +9,11 @@ compares the staged observation with the plain one, which is the oracle.
 from __future__ import annotations
 
 import gc
+import re
 import time
 import weakref
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,7 +27,9 @@ def observe(case: Callable[[], Any]) -> dict[str, Any]:
     try:
         value = case()
     except Exception as error:  # the plain collective's error is part of its contract
-        return {"raised": type(error).__name__, "message": str(error).splitlines()[0]}
+        # How far a version counter moved is the backend's own business (gloo bumps once per chunk it writes).
+        message = re.sub(r"version \d+", "version N", str(error).splitlines()[0])
+        return {"raised": type(error).__name__, "message": message}
     if isinstance(value, dict):
         return {k: bits(v).tolist() if isinstance(v, torch.Tensor) else v for k, v in value.items()}
     return {"value": value}
@@ -33,6 +37,7 @@ def observe(case: Callable[[], Any]) -> dict[str, Any]:
 
 def cases(rank: int, world: int, groups: dict[str, Any]) -> dict[str, Callable[[], Any]]:
     outside = groups["outside"]  # ranks 1 and 2: rank 0 and rank 3 are not in it
+    first, second = groups["first"], groups["second"]  # every rank, with a short timeout: a hang is an error
 
     def outside_group_sync() -> dict:
         tensors = {k: data(rank, (4, 6), torch.float32, salt) for k, salt in (("reduce", 1), ("bcast", 2), ("a2a", 3))}
@@ -95,13 +100,62 @@ def cases(rank: int, world: int, groups: dict[str, Any]) -> dict[str, Callable[[
 
     def dropped_works() -> dict:
         # More than a pool's 8 workspaces, each work dropped at once. Plain, a dropped work's result lands whenever
-        # the backend's threads finish it; staged, when the work is collected. Integers make every sum exact.
+        # the backend's threads finish it; staged, at the layer's next call once the backend has finished it.
+        # Integers make every sum exact; the same number of later calls on every rank keeps the ranks in step.
         tensors = [data(rank, (16,), torch.int64, 20 + i) for i in range(10)]
         for tensor in tensors:
             dist.all_reduce(tensor, async_op=True)
         gc.collect()
+        for _ in range(20):
+            time.sleep(0.01)
+            dist.all_reduce(torch.zeros(1))
         sums = [sum(data(r, (16,), torch.int64, 20 + i) for r in range(world)) for i in range(10)]
-        return {"landed_by_collection": all(torch.equal(t, s) for t, s in zip(tensors, sums, strict=True))}
+        return {"landed": all(torch.equal(t, s) for t, s in zip(tensors, sums, strict=True))}
+
+    def dropped_work_then_another_group() -> dict:
+        # Rank 0 drops a work on one group, then joins a collective on another that its peers enter first.
+        a, b = torch.full((4,), float(rank)), torch.full((4,), 10.0 * rank)
+        if rank == 0:
+            dist.all_reduce(a, group=first, async_op=True)
+            dist.all_reduce(b, group=second)
+        else:
+            dist.all_reduce(b, group=second)
+            dist.all_reduce(a, group=first)
+        for _ in range(10):
+            time.sleep(0.01)
+            dist.all_reduce(torch.zeros(1), group=second)
+        return {"a": a, "b": b}
+
+    def gather_output_saved_for_backward() -> dict:
+        weight = torch.ones(world * 3, requires_grad=True)
+        output, parts = torch.zeros(world * 3), [torch.zeros(3) for _ in range(world)]
+        loss = (weight * output).sum() + sum((weight[:3] * p).sum() for p in parts)
+        dist.all_gather_into_tensor(output, data(rank, (3,), torch.float32, 13))
+        dist.all_gather(parts, data(rank, (3,), torch.float32, 14))
+        loss.backward()  # plain raises: the gathers bumped the outputs' versions
+        return {"grad": weight.grad}
+
+    def bool_sum() -> dict:
+        tensor = torch.tensor([True, False, rank % 2 == 0, True])
+        dist.all_reduce(tensor)
+        return {"bytes": tensor.view(torch.uint8)}
+
+    def conjugated_complex() -> dict:
+        tensor = torch.complex(data(rank, (5,), torch.float32, 15), data(rank, (5,), torch.float32, 16)).conj()
+        dist.all_reduce(tensor)
+        return {"tensor": torch.view_as_real(tensor.resolve_conj())}
+
+    def p2p_as_a_tuple() -> dict:
+        send, received = data(rank, (4,), torch.float32, 17), torch.zeros(4)
+        ops = (dist.P2POp(dist.isend, send, (rank + 1) % world), dist.P2POp(dist.irecv, received, (rank - 1) % world))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        return {"received": received}
+
+    def all_to_all_in_place() -> dict:
+        tensor = data(rank, (world * 2,), torch.float32, 18)
+        dist.all_to_all_single(tensor, tensor)
+        return {"tensor": tensor}
 
     def object_collectives() -> dict:
         # Each packs its objects into tensors on the group's device and calls distributed_c10d's own broadcast and
@@ -115,6 +169,8 @@ def cases(rank: int, world: int, groups: dict[str, Any]) -> dict[str, Callable[[
     return {fn.__name__: fn for fn in (
         outside_group_sync, outside_group_async, coalesced, transposed_sum, strided_with_gaps, saved_for_backward,
         flat_output_2d_input, flat_output_0d_input, stacked_output, dropped_works, object_collectives,
+        dropped_work_then_another_group, gather_output_saved_for_backward, bool_sum, conjugated_complex,
+        p2p_as_a_tuple, all_to_all_in_place,
     )}  # fmt: skip
 
 
@@ -139,7 +195,12 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         uninstall_persistent_collectives,
     )
 
-    groups = {"outside": dist.new_group([1, 2])}
+    short = timedelta(seconds=20)
+    groups = {
+        "outside": dist.new_group([1, 2]),
+        "first": dist.new_group(list(range(world)), timeout=short),
+        "second": dist.new_group(list(range(world)), timeout=short),
+    }
     report: dict[str, Any] = {"plain": {}, "staged": {}}
     for name, case in cases(rank, world, groups).items():
         report["plain"][name] = observe(case)

@@ -18,6 +18,7 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, py
 WORLD = 2
 TRACED = [f"traced/{backend}" for backend in compile_ranks.BACKENDS]
 BREAKING = ("broadcast", "barrier", "async_all_reduce", "ring_batch")
+ODD = [f"{name}/{backend}" for name in compile_ranks.odd_layouts(WORLD) for backend in ("aot_eager", "inductor")]
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,7 @@ def reports():
     return results_or_raise(run_ranks(compile_ranks.checks, WORLD, timeout_s=900, pg_timeout_s=120), WORLD)
 
 
-@pytest.mark.parametrize("case", TRACED + list(BREAKING))
+@pytest.mark.parametrize("case", TRACED + list(BREAKING) + ODD)
 def test_compiled_code_gives_the_same_bits_with_the_layer_on_and_off(reports, case):
     for report in reports:
         assert report["on"][case]["bits"] == report["off"][case]["bits"]

@@ -29,6 +29,12 @@ SAME_AS_PLAIN = (
     "flat_output_0d_input",
     "stacked_output",
     "object_collectives",
+    "dropped_works",
+    "dropped_work_then_another_group",
+    "gather_output_saved_for_backward",
+    "bool_sum",
+    "conjugated_complex",
+    "p2p_as_a_tuple",
 )
 
 
@@ -73,6 +79,11 @@ def test_calls_the_layer_cannot_stage_alike_go_to_the_plain_collective(reports):
             assert report["staged"][case]["_staged"] == 0, case
 
 
+def test_an_all_to_all_whose_output_is_its_input_goes_to_the_plain_collective(reports):
+    # What the backend makes of the overlap is its own (gloo's result varies run to run): the layer keeps out.
+    assert all(report["staged"]["all_to_all_in_place"]["_staged"] == 0 for report in reports)
+
+
 def test_refused_shapes_raise_the_plain_error_on_every_rank(reports):
     for report in reports:
         for case in ("flat_output_2d_input", "flat_output_0d_input"):
@@ -92,11 +103,20 @@ def test_no_autograd_version_bump_where_plain_makes_none(reports):
         assert report["staged"]["saved_for_backward"]["_staged"] == 1
 
 
-def test_a_work_dropped_without_wait_delivers_its_result_and_frees_its_workspace(reports):
+def test_a_work_dropped_without_wait_delivers_its_result_and_frees_its_workspace_without_blocking(reports):
     for report in reports:
         dropped = report["staged"]["dropped_works"]
-        assert dropped["landed_by_collection"] and dropped["_staged"] == 10 and dropped["_fallbacks"] == 0
+        # Ten in flight on one group: past its eight workspaces the plain collective runs, counted.
+        assert dropped["landed"] and dropped["_staged"] + dropped["_fallbacks"] == 10 + 20
+        assert dropped["_fallbacks"] <= 2
+        assert "raised" not in report["staged"]["dropped_work_then_another_group"]  # no peer left waiting
         assert report["busy_after_all"] == 0
+
+
+def test_gathers_bump_output_versions_as_plain_does_so_autograd_still_objects(reports):
+    for report in reports:
+        assert report["plain"]["gather_output_saved_for_backward"]["raised"] == "RuntimeError"
+        assert report["staged"]["gather_output_saved_for_backward"]["raised"] == "RuntimeError"
 
 
 def test_any_allocator_error_on_one_rank_runs_the_plain_collective_there(reports):
@@ -104,7 +124,7 @@ def test_any_allocator_error_on_one_rank_runs_the_plain_collective_there(reports
         outcome = report["allocator_error"]
         assert outcome["values"] == outcome["expected"], rank
         assert outcome["fallbacks"] == (3 if rank == 1 else 0), rank
-        assert outcome["warned"] == ([("all_reduce", "memory")] if rank == 1 else []), rank
+        assert (("all_reduce", "memory") in outcome["warned"]) is (rank == 1), rank
 
 
 def test_a_signature_less_wrapper_installed_first_still_reaches_the_backend(reports):

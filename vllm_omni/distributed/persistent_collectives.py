@@ -12,6 +12,7 @@ cannot stage with the plain collective's semantics goes to the plain collective 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import weakref
@@ -79,7 +80,8 @@ class _Stage:
 class _Completion:
     """Waits for a staged collective's works exactly once (gloo cannot wait on a send twice), then finishes it.
 
-    Once finished it holds nothing: neither the works (gloo's keep their tensors) nor the workspace's views.
+    Once finished it holds nothing: neither the works (gloo's keep their tensors) nor the workspace's views. A
+    failure is kept and raised again by every later ``wait()``, as a failed ``Work`` does.
     """
 
     def __init__(self, works: Sequence[Any], copy_out: Callable[[], None], release: Callable[[], None]) -> None:
@@ -89,52 +91,67 @@ class _Completion:
         self._copy_out, self._release = copy_out, release
         self._lock = threading.RLock()
 
+    def ready(self) -> bool:
+        return self.done or all(work.is_completed() for work in self.works)
+
     def wait(self, *args: Any, **kwargs: Any) -> None:
         with self._lock:
-            if self.done:
-                return
-            self.done = True
-            try:
-                for work in self.works:
-                    work.wait(*args, **kwargs)
-                self._copy_out()
-            except BaseException as error:
-                self.error = error
-                raise
-            finally:
-                self._release()
-                self.works, self._copy_out, self._release = [], None, None
+            if not self.done:
+                self.done = True
+                try:
+                    for work in self.works:
+                        work.wait(*args, **kwargs)
+                    self._copy_out()
+                except BaseException as error:
+                    self.error = error
+                finally:
+                    self._release()
+                    self.works, self._copy_out, self._release = [], None, None
+            if self.error is not None:
+                raise self.error
 
 
-class StagedWork:
+class StagedWork(dist.Work):
     """The ``Work`` of an asynchronous staged collective: copies out and frees the workspace once waited on.
 
-    A work dropped without ``wait()`` waits when it is collected, so its result still reaches the caller's
-    tensors and its workspace is freed. Every ``StagedWork`` of one ``batch_isend_irecv`` waits for the whole
-    batch, since its receives are copied out together.
+    A work dropped without ``wait()`` is finished by the layer's next staged call once the backend has
+    completed it, never by blocking: its result then reaches the caller's tensors and its workspace is freed.
+    Every ``StagedWork`` of one ``batch_isend_irecv`` waits for the whole batch, since its receives are copied
+    out together.
     """
 
-    def __init__(self, completion: _Completion) -> None:
+    def __init__(self, completion: _Completion, orphans: Callable[[_Completion], None]) -> None:
+        super().__init__()
         self._completion = completion
-        weakref.finalize(self, completion.wait).atexit = False
+        weakref.finalize(self, orphans, completion).atexit = False
 
     @torch._dynamo.disable
     def wait(self, *args: Any, **kwargs: Any) -> bool:
         self._completion.wait(*args, **kwargs)
         return True
 
+    def synchronize(self) -> None:
+        self.wait()
+
     @torch._dynamo.disable
     def is_completed(self) -> bool:
-        if not (self._completion.done or all(work.is_completed() for work in self._completion.works)):
+        if not self._completion.ready():
             return False
-        self.wait()
+        with contextlib.suppress(Exception):  # a failure is the work's, kept for wait() and exception()
+            self._completion.wait()
         return True
 
     def is_success(self) -> bool:
-        return self._completion.done and self._completion.error is None
+        return self.is_completed() and self._completion.error is None
 
     def exception(self) -> Any:
+        self.is_completed()
         return self._completion.error
+
+    def result(self) -> Any:
+        raise NotImplementedError(
+            f"result() on a staged collective: read the tensors you passed, or set {SWITCH_ENV}=0"
+        )
 
     def get_future(self) -> Any:
         raise NotImplementedError(
@@ -144,12 +161,20 @@ class StagedWork:
 
 
 def _copy_back(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Write a result into the caller's tensor the way the backend would: no autograd version bump."""
-    if destination.is_inference():
-        destination.copy_(source)
-        return
-    with torch.autograd._unsafe_preserve_version_counter(destination):
-        destination.copy_(source)
+    """Write an in-place collective's result as the backend would: no autograd version bump, bytes as they are."""
+    if destination.dtype == torch.bool:  # a bool sum leaves counts in the bytes; copy_ would make them 0 or 1
+        destination, source = destination.view(torch.uint8), source.view(torch.uint8)
+    with torch.inference_mode():
+        if destination.is_inference():
+            destination.copy_(source)
+            return
+        with torch.autograd._unsafe_preserve_version_counter(destination):
+            destination.copy_(source)
+
+
+def _copy_gathered(destination: torch.Tensor, source: torch.Tensor) -> None:
+    """Write a gather's output as the plain gathers do: an ordinary copy in the caller's mode (versions bump)."""
+    destination.copy_(source)
 
 
 def _open(group: Any) -> bool:
@@ -188,6 +213,7 @@ class PersistentCollectives:
         self.fallbacks = 0
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._lock = threading.Lock()
+        self._orphans: list[_Completion] = []  # works dropped before they were waited on
 
     def all_pools(self) -> list[WorkspacePool]:
         return [pool for by_device in list(self.pools.values()) for pool in by_device.values()]
@@ -212,6 +238,7 @@ class PersistentCollectives:
             and tensor.layout == torch.strided
             and tensor.device.type == self.device_type
             and tensor.numel() > 0
+            and not (tensor.is_conj() or tensor.is_neg())  # lazy bits the backend refuses to read
             and is_dense(tensor)
             and not is_persistent(tensor)
         )
@@ -243,8 +270,25 @@ class PersistentCollectives:
         self.passed_through += 1
         return plain_call()
 
+    def adopt(self, completion: _Completion) -> None:
+        """A ``StagedWork`` was collected: finish its collective later, once the backend has (never block here)."""
+        if not completion.done:
+            with self._lock:
+                self._orphans.append(completion)
+
+    def _finish_orphans(self) -> None:
+        if not self._orphans:
+            return
+        with self._lock:
+            ready = [c for c in self._orphans if c.ready()]
+            self._orphans = [c for c in self._orphans if c not in ready]
+        for completion in ready:
+            with contextlib.suppress(Exception):  # nobody is left to receive its error
+                completion.wait()
+
     def run(self, name: str, stage: _Stage, plain_call: Callable[[], Any]) -> Any:
         """Run ``stage`` in a workspace; ``plain_call`` instead when none can be had on this rank."""
+        self._finish_orphans()
         nbytes = regions_nbytes(stage.regions)
         try:
             pool = self.pool(stage.group, stage.device)
@@ -270,8 +314,7 @@ class PersistentCollectives:
         self.copied_bytes += 2 * nbytes  # every region in and out: an upper bound (a broadcast copies one way)
 
         def copy_out() -> None:
-            with torch.inference_mode():
-                stage.copy_out(views)
+            stage.copy_out(views)
 
         if not stage.async_op:
             try:
@@ -281,8 +324,8 @@ class PersistentCollectives:
             return work
         completion = _Completion(work if isinstance(work, list) else [work], copy_out, lambda: pool.release(workspace))
         if isinstance(work, list):  # batch_isend_irecv: a Work per op, or one for the coalesced batch
-            return [StagedWork(completion) for _ in work]
-        return StagedWork(completion)
+            return [StagedWork(completion, self.adopt) for _ in work]
+        return StagedWork(completion, self.adopt)
 
     def _fallback(self, name: str, kind: str, reason: str) -> None:
         """Logged once per collective and kind of reason: the call runs on the caller's own buffers."""
@@ -360,7 +403,9 @@ class PersistentCollectives:
         concatenated = (dist.get_world_size(group) * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else None
         if output.dtype != tensor.dtype or tuple(output.shape) != concatenated:
             return self.pass_through(call)  # a form not every backend takes: the backend decides, on every rank
-        stage = self._gather_in_place(name, output.shape, tensor, group, async_op, lambda v: _copy_back(output, v[0]))
+        stage = self._gather_in_place(
+            name, output.shape, tensor, group, async_op, lambda v: _copy_gathered(output, v[0])
+        )
         return self.run(name, stage, call)
 
     def all_gather_single(self, output_tensor, input_tensor, group, async_op):
@@ -378,7 +423,7 @@ class PersistentCollectives:
 
         def copy_out(views: list[torch.Tensor]) -> None:
             for output, part in zip(tensor_list, views[0].view(world, *tensor.shape).unbind(0), strict=True):
-                _copy_back(output, part)
+                _copy_gathered(output, part)
 
         flat = torch.Size([world * tensor.numel()])
         stage = self._gather_in_place("all_gather_single", flat, tensor, group, async_op, copy_out)
@@ -392,7 +437,11 @@ class PersistentCollectives:
             "group": group,
             "async_op": async_op,
         }
-        if not (self._stages_all(output, input) and _open(group)):
+        aliased = (
+            self._stages_all(output, input)
+            and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+        )
+        if aliased or not (self._stages_all(output, input) and _open(group)):
             return self.pass_through(lambda: plain(output, input, **kwargs))
         stage = _Stage(
             [region_of(input), region_of(output)],
@@ -407,7 +456,7 @@ class PersistentCollectives:
 
     def batch_isend_irecv(self, p2p_op_list):
         plain = self.plain["batch_isend_irecv"]
-        ops = list(p2p_op_list) if isinstance(p2p_op_list, (list, tuple)) else []
+        ops = p2p_op_list if isinstance(p2p_op_list, list) else []  # what the plain one accepts
         if (
             not ops
             or not all(isinstance(op, dist.P2POp) and self.stages(op.tensor) for op in ops)
@@ -493,16 +542,35 @@ def _eager(name: str) -> Callable:
 # compiled caller breaks its graph at a collective and runs it eagerly.
 _run_staged = {name: torch._dynamo.disable(_eager(name), recursive=True) for name in KINDS}
 _REDUCE_OPS = {name: op for op, name in fc.REDUCE_OP_TO_STR.items()}
+_TORCH = {name: getattr(c10d, name) for name in KINDS}  # torch's own, as imported before any install
+
+
+# The kernels see tensors as the functional collectives do, row-major: a view with gaps or permuted strides is
+# reduced in the same element order as the plain collective under torch.compile, then written back.
+
+
+def _row_major(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
+def _write_back(destination: torch.Tensor, result: torch.Tensor) -> None:
+    if result is not destination:
+        destination.copy_(result)
 
 
 @torch.library.custom_op("vllm_omni::persistent_all_reduce", mutates_args=("tensor",))
 def _all_reduce_op(tensor: torch.Tensor, op: str, group_name: str) -> None:
-    _run_staged["all_reduce"](tensor, _REDUCE_OPS[op], c10d._resolve_process_group(group_name), False)
+    work = _row_major(tensor)
+    _run_staged["all_reduce"](work, _REDUCE_OPS[op], c10d._resolve_process_group(group_name), False)
+    _write_back(tensor, work)
 
 
 @torch.library.custom_op("vllm_omni::persistent_all_gather_into_tensor", mutates_args=("output",))
 def _all_gather_op(output: torch.Tensor, tensor: torch.Tensor, group_name: str) -> None:
-    _run_staged["all_gather_into_tensor"](output, tensor, c10d._resolve_process_group(group_name), False)
+    gathered = _row_major(output)
+    group = c10d._resolve_process_group(group_name)
+    _run_staged["all_gather_into_tensor"](gathered, _row_major(tensor), group, False)
+    _write_back(output, gathered)
 
 
 @torch.library.custom_op("vllm_omni::persistent_all_to_all_single", mutates_args=("output",))
@@ -513,8 +581,10 @@ def _all_to_all_op(
     input_split_sizes: list[int] | None,
     group_name: str,
 ) -> None:
+    received = _row_major(output)
     group = c10d._resolve_process_group(group_name)
-    _run_staged["all_to_all_single"](output, tensor, output_split_sizes, input_split_sizes, group, False)
+    _run_staged["all_to_all_single"](received, _row_major(tensor), output_split_sizes, input_split_sizes, group, False)
+    _write_back(output, received)
 
 
 for _op in (_all_reduce_op, _all_gather_op, _all_to_all_op):
@@ -545,6 +615,8 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     if torch.compiler.is_compiling() and not async_op:
+        if len(tensor_list) != dist.get_world_size(group) or any(t.shape != tensor.shape for t in tensor_list):
+            return _TORCH["all_gather"](tensor_list, tensor, group, async_op)  # traced as torch traces the plain one
         output = tensor.new_empty((len(tensor_list) * tensor.shape[0], *tensor.shape[1:]))
         _all_gather_op(output, tensor, _group_name(group))
         for destination, part in zip(tensor_list, output.chunk(len(tensor_list)), strict=True):

@@ -1,0 +1,76 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""``StagedWork`` against what a plain ``Work`` does, with stand-in backend works (no process group needed)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch.distributed as dist
+
+from vllm_omni.distributed.persistent_collectives import PersistentCollectives, StagedWork, _Completion
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion]
+
+
+class _BackendWork:
+    """Stand-in for a backend's work: completes when told, fails if told."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.completed, self.error, self.waits = False, error, 0
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self, *args, **kwargs) -> bool:
+        self.waits += 1
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def _staged(work: _BackendWork, layer: PersistentCollectives) -> tuple[StagedWork, list[str]]:
+    events: list[str] = []
+    completion = _Completion([work], lambda: events.append("copied out"), lambda: events.append("released"))
+    return StagedWork(completion, layer.adopt), events
+
+
+def test_a_staged_work_is_a_work_that_copies_out_once_when_waited():
+    work, events = _staged(_BackendWork(), PersistentCollectives("cpu", {}))
+    assert isinstance(work, dist.Work)
+    assert work.wait() and work.wait() and events == ["copied out", "released"]
+
+
+def test_a_failed_work_reports_completion_keeps_its_error_and_raises_it_on_every_wait():
+    backend = _BackendWork(RuntimeError("stand-in: the collective timed out"))
+    work, events = _staged(backend, PersistentCollectives("cpu", {}))
+    assert not work.is_completed()
+    backend.completed = True
+    assert work.is_completed() and not work.is_success()
+    assert str(work.exception()) == "stand-in: the collective timed out"
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="timed out"):
+            work.wait()
+    assert events == ["released"] and backend.waits == 1  # never copied out; the backend waited once
+
+
+def test_a_dropped_work_never_blocks_and_is_finished_by_a_later_call_once_complete():
+    layer = PersistentCollectives("cpu", {})
+    backend = _BackendWork()
+    work, events = _staged(backend, layer)
+    del work
+    gc.collect()
+    assert backend.waits == 0 and len(layer._orphans) == 1  # collected: nothing waited for
+    layer._finish_orphans()
+    assert events == [] and len(layer._orphans) == 1  # not complete yet: left alone
+    backend.completed = True
+    layer._finish_orphans()
+    assert events == ["copied out", "released"] and layer._orphans == []
+
+
+def test_result_and_get_future_are_refused_naming_the_switch():
+    work, _ = _staged(_BackendWork(), PersistentCollectives("cpu", {}))
+    for method in (work.result, work.get_future):
+        with pytest.raises(NotImplementedError, match="VLLM_OMNI_PERSISTENT_COLLECTIVES=0"):
+            method()
