@@ -212,7 +212,7 @@ class PersistentCollectives:
         self.passed_through = 0
         self.fallbacks = 0
         self._fallbacks_logged: set[tuple[str, str]] = set()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # adopt() runs from a finalizer, which a collection may start anywhere
         self._orphans: list[_Completion] = []  # works dropped before they were waited on
 
     def all_pools(self) -> list[WorkspacePool]:
