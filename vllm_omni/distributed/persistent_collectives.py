@@ -301,7 +301,8 @@ class PersistentCollectives:
             return self.pass_through(plain_call)
         try:
             # Workspace views are normal tensors whatever the caller's mode, since the backend writes them in place;
-            # the copies run in inference mode, which may write both normal and inference tensors.
+            # the copy-in runs in inference mode, which may write them from inference tensors too. Each kind copies
+            # out as its plain collective writes (see _copy_back and _copy_gathered).
             with torch.inference_mode(False), torch.no_grad():
                 views = workspace.carve(stage.regions)
             with torch.inference_mode():
