@@ -114,8 +114,17 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str) -> dict:
     }
 
 
+@pytest.fixture
+def worker_stack(monkeypatch):
+    # Importing the worker module pulls in vLLM's model registry, which on 0.30.0 needs the CPU test platform's
+    # start-up stand-ins (torchvision does not load beside torch+cpu); spawned ranks inherit this at start.
+    monkeypatch.setenv("VLLM_OMNI_CPU_TEST_PLATFORM", "1")
+
+
 @pytest.mark.parametrize(("value", "installed"), [("1", True), ("auto", False), ("0", False)])
-def test_the_plugin_installs_the_layer_when_a_diffusion_worker_sets_up_its_device_as_the_switch_says(value, installed):
+def test_the_plugin_installs_the_layer_when_a_diffusion_worker_sets_up_its_device_as_the_switch_says(
+    value, installed, worker_stack
+):
     (report,) = results_or_raise(run_ranks(_load_plugins_in_a_worker, 1, value), 1)
     assert report == {
         "installed_before_init_device": False,
@@ -125,7 +134,7 @@ def test_the_plugin_installs_the_layer_when_a_diffusion_worker_sets_up_its_devic
     }
 
 
-def test_a_bad_layer_switch_fails_the_plugin_load_naming_the_value():
+def test_a_bad_layer_switch_fails_the_plugin_load_naming_the_value(worker_stack):
     (report,) = results_or_raise(run_ranks(_load_plugins_in_a_worker, 1, "on"), 1)
     assert "VLLM_OMNI_PERSISTENT_COLLECTIVES='on' is not valid" in report["error"]
 
