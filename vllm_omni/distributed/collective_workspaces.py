@@ -101,7 +101,11 @@ def region_of(tensor: torch.Tensor) -> Region:
 
 
 def contiguous_region(shape: torch.Size, dtype: torch.dtype) -> Region:
-    return shape, torch.empty(shape, device="meta").stride(), dtype
+    strides, step = [], 1
+    for size in reversed(shape):  # row-major, as torch lays out a new tensor (an empty dim steps by 1)
+        strides.append(step)
+        step *= max(size, 1)
+    return shape, tuple(reversed(strides)), dtype
 
 
 def _aligned(nbytes: int) -> int:

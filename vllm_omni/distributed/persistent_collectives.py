@@ -187,6 +187,10 @@ def _open(group: Any) -> bool:
         return False
 
 
+def _same_storage(first: torch.Tensor, second: torch.Tensor) -> bool:
+    return first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+
+
 def _barrier_device(group: Any, device_ids: Any) -> torch.device:
     """The device torch's ``barrier`` synchronizes on for ``group`` (its own rule, in the same order)."""
     accelerator = torch._C._get_accelerator()
@@ -344,8 +348,9 @@ class PersistentCollectives:
 
     def all_reduce(self, tensor, op, group, async_op):
         plain = self.plain["all_reduce"]
+        call = lambda: plain(tensor, op=op, group=group, async_op=async_op)  # noqa: E731
         if not (self.stages(tensor) and _open(group)):
-            return self.pass_through(lambda: plain(tensor, op=op, group=group, async_op=async_op))
+            return self.pass_through(call)
         stage = _Stage(
             [region_of(tensor)],  # the caller's strides: a reduction sees elements in the same order
             lambda v: v[0].copy_(tensor),
@@ -355,13 +360,14 @@ class PersistentCollectives:
             tensor.device,
             async_op,
         )
-        return self.run("all_reduce", stage, lambda: plain(tensor, op=op, group=group, async_op=async_op))
+        return self.run("all_reduce", stage, call)
 
     def broadcast(self, tensor, src, group, async_op, group_src):
         plain = self.plain["broadcast"]
         kwargs = {"src": src, "group": group, "async_op": async_op, "group_src": group_src}
+        call = lambda: plain(tensor, **kwargs)  # noqa: E731
         if not (self.stages(tensor) and _open(group)) or (src is None) == (group_src is None):
-            return self.pass_through(lambda: plain(tensor, **kwargs))
+            return self.pass_through(call)
         is_source = dist.get_rank(group) == group_src if group_src is not None else dist.get_rank() == src
         stage = _Stage(
             [region_of(tensor)],
@@ -372,7 +378,7 @@ class PersistentCollectives:
             tensor.device,
             async_op,
         )
-        return self.run("broadcast", stage, lambda: plain(tensor, **kwargs))
+        return self.run("broadcast", stage, call)
 
     def _gather_in_place(self, name, output_shape, tensor, group, async_op, copy_out) -> _Stage:
         """Copy-in to this rank's slice of one output region, one in-place all-gather, copy-out (FSDP2's pattern).
@@ -438,12 +444,9 @@ class PersistentCollectives:
             "group": group,
             "async_op": async_op,
         }
-        aliased = (
-            self._stages_all(output, input)
-            and output.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
-        )
-        if aliased or not (self._stages_all(output, input) and _open(group)):
-            return self.pass_through(lambda: plain(output, input, **kwargs))
+        call = lambda: plain(output, input, **kwargs)  # noqa: E731
+        if not (self._stages_all(output, input) and _open(group)) or _same_storage(output, input):
+            return self.pass_through(call)  # an output that is its input: whatever the backend makes of it
         stage = _Stage(
             [region_of(input), region_of(output)],
             lambda v: v[0].copy_(input),
@@ -453,11 +456,12 @@ class PersistentCollectives:
             input.device,
             async_op,
         )
-        return self.run("all_to_all_single", stage, lambda: plain(output, input, **kwargs))
+        return self.run("all_to_all_single", stage, call)
 
     def batch_isend_irecv(self, p2p_op_list):
         plain = self.plain["batch_isend_irecv"]
         ops = p2p_op_list if isinstance(p2p_op_list, list) else []  # what the plain one accepts
+        call = lambda: plain(p2p_op_list)  # noqa: E731
         if (
             not ops
             or not all(isinstance(op, dist.P2POp) and self.stages(op.tensor) for op in ops)
@@ -465,7 +469,7 @@ class PersistentCollectives:
             or len({id(op.group) for op in ops}) != 1
             or not _open(ops[0].group)
         ):
-            return self.pass_through(lambda: plain(p2p_op_list))
+            return self.pass_through(call)
         sends = [op.op in (dist.isend, dist.send) for op in ops]
 
         def copy_in(views: list[torch.Tensor]) -> None:
@@ -478,13 +482,13 @@ class PersistentCollectives:
                 if not is_send:
                     _copy_back(op.tensor, view)
 
-        def call(views: list[torch.Tensor]) -> Any:
+        def call_on(views: list[torch.Tensor]) -> Any:
             pairs = zip(ops, views, strict=True)
             return plain([dist.P2POp(op.op, view, peer=op.peer, group=op.group, tag=op.tag) for op, view in pairs])
 
         regions = [region_of(op.tensor) for op in ops]
-        stage = _Stage(regions, copy_in, call, copy_out, ops[0].group, ops[0].tensor.device, True)
-        return self.run("batch_isend_irecv", stage, lambda: plain(p2p_op_list))
+        stage = _Stage(regions, copy_in, call_on, copy_out, ops[0].group, ops[0].tensor.device, True)
+        return self.run("batch_isend_irecv", stage, call)
 
     def barrier(self, group, async_op, device_ids, timeout):
         """An all-reduce of a one-element workspace region, then the host waits for the device, as XCCL's does."""
@@ -550,10 +554,6 @@ _TORCH = {name: getattr(c10d, name) for name in KINDS}  # torch's own, as import
 # reduced in the same element order as the plain collective under torch.compile, then written back.
 
 
-def _row_major(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if tensor.is_contiguous() else tensor.contiguous()
-
-
 def _write_back(destination: torch.Tensor, result: torch.Tensor) -> None:
     if result is not destination:
         destination.copy_(result)
@@ -561,16 +561,16 @@ def _write_back(destination: torch.Tensor, result: torch.Tensor) -> None:
 
 @torch.library.custom_op("vllm_omni::persistent_all_reduce", mutates_args=("tensor",))
 def _all_reduce_op(tensor: torch.Tensor, op: str, group_name: str) -> None:
-    work = _row_major(tensor)
+    work = tensor.contiguous()
     _run_staged["all_reduce"](work, _REDUCE_OPS[op], c10d._resolve_process_group(group_name), False)
     _write_back(tensor, work)
 
 
 @torch.library.custom_op("vllm_omni::persistent_all_gather_into_tensor", mutates_args=("output",))
 def _all_gather_op(output: torch.Tensor, tensor: torch.Tensor, group_name: str) -> None:
-    gathered = _row_major(output)
+    gathered = output.contiguous()
     group = c10d._resolve_process_group(group_name)
-    _run_staged["all_gather_into_tensor"](gathered, _row_major(tensor), group, False)
+    _run_staged["all_gather_into_tensor"](gathered, tensor.contiguous(), group, False)
     _write_back(output, gathered)
 
 
@@ -582,9 +582,9 @@ def _all_to_all_op(
     input_split_sizes: list[int] | None,
     group_name: str,
 ) -> None:
-    received = _row_major(output)
+    received = output.contiguous()
     group = c10d._resolve_process_group(group_name)
-    _run_staged["all_to_all_single"](received, _row_major(tensor), output_split_sizes, input_split_sizes, group, False)
+    _run_staged["all_to_all_single"](received, tensor.contiguous(), output_split_sizes, input_split_sizes, group, False)
     _write_back(output, received)
 
 
