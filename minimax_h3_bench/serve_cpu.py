@@ -37,6 +37,13 @@ SERVE_FLAGS = (
     "--vae-use-tiling",
     "--enable-cpu-offload",
 )
+RECEIPT_LOGGING = {
+    "VLLM_LOGGING_LEVEL": "DEBUG",  # the gather's per-call receipts
+    # vLLM writes its "(Worker pid=N) " prefix apart from the record, so concurrent workers can detach it from
+    # its line; a process id the formatter puts inside the record cannot be.
+    "VLLM_LOGGING_PREFIX": "[record pid=%(process)d] ",
+}
+
 RECEIPTS = {
     "plugin_hooks": r"\[H3_VAE_GATHER\] plugin hooked ",
     "installs": r"\[H3_VAE_GATHER\] tile gather reuse installed ",
@@ -90,9 +97,8 @@ def serve(
     fixes = {
         "VLLM_OMNI_H3_VAE_GATHER_REUSE": reuse,
         "VLLM_OMNI_PERSISTENT_COLLECTIVES": reuse,  # the whole-request fix goes with the VAE's unless env says
-        "VLLM_LOGGING_LEVEL": "DEBUG",  # the gather's per-call receipts
     }
-    env = os.environ | (on_cpu if device == "cpu" else {}) | fixes | (env or {})
+    env = os.environ | (on_cpu if device == "cpu" else {}) | fixes | RECEIPT_LOGGING | (env or {})
     log_file = log_path.open("w")
     process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
     server = Server(process, port, log_path)
@@ -177,8 +183,8 @@ def receipts(log: str) -> Counter[str]:
 
 
 def receipt_pids(log: str, name: str) -> Counter[int]:
-    """How often each process (by the ``pid=`` of its log prefix) wrote the receipt ``name``."""
-    pattern = re.compile(r"pid=(\d+)\).*" + RECEIPTS[name])
+    """How often each process (by the process id its records carry) wrote the receipt ``name``."""
+    pattern = re.compile(r"\[record pid=(\d+)\] .*" + RECEIPTS[name])
     return Counter(int(m.group(1)) for line in _without_colours(log).splitlines() if (m := pattern.search(line)))
 
 
