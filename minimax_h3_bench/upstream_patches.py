@@ -49,6 +49,7 @@ CARRIED_FIRST = (
 CARRIED_LAST = (
     "vllm_omni/distributed/collective_workspaces.py",
     "vllm_omni/distributed/persistent_collectives.py",
+    "vllm_omni/distributed/staged_work.py",
     "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
 )
 CARRIED = tuple(dict.fromkeys(CARRIED_FIRST + CARRIED_LAST))

@@ -37,6 +37,7 @@ def use_working_tree() -> None:
     for pkg, directory, module in (
         (package, MODEL_DIR, "vae_gather"),
         (distributed, DISTRIBUTED_DIR, "collective_workspaces"),
+        (distributed, DISTRIBUTED_DIR, "staged_work"),
         (distributed, DISTRIBUTED_DIR, "persistent_collectives"),
     ):
         if str(directory) not in pkg.__path__:

@@ -9,7 +9,8 @@ import gc
 import pytest
 import torch.distributed as dist
 
-from vllm_omni.distributed.persistent_collectives import PersistentCollectives, StagedWork, _Completion
+from vllm_omni.distributed.persistent_collectives import SWITCH_ENV, PersistentCollectives
+from vllm_omni.distributed.staged_work import Completion, StagedWork
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion]
 
@@ -32,7 +33,7 @@ class _BackendWork:
 
 def _staged(work: _BackendWork, layer: PersistentCollectives) -> tuple[StagedWork, list[str]]:
     events: list[str] = []
-    completion = _Completion([work], lambda: events.append("copied out"), lambda: events.append("released"))
+    completion = Completion([work], lambda: events.append("copied out"), lambda: events.append("released"))
     return StagedWork(completion, layer.adopt), events
 
 
@@ -72,5 +73,5 @@ def test_a_dropped_work_never_blocks_and_is_finished_by_a_later_call_once_comple
 def test_result_and_get_future_are_refused_naming_the_switch():
     work, _ = _staged(_BackendWork(), PersistentCollectives("cpu", {}))
     for method in (work.result, work.get_future):
-        with pytest.raises(NotImplementedError, match="VLLM_OMNI_PERSISTENT_COLLECTIVES=0"):
+        with pytest.raises(NotImplementedError, match=f"{SWITCH_ENV}=0"):
             method()

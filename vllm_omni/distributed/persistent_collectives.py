@@ -16,7 +16,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ from .collective_workspaces import (
     resolve_device,
     synchronize,
 )
+from .staged_work import Completion, StagedWork
 
 logger = init_logger(__name__)
 
@@ -75,89 +76,6 @@ class _Stage:
     group: Any
     device: torch.device
     async_op: bool
-
-
-class _Completion:
-    """Waits for a staged collective's works exactly once (gloo cannot wait on a send twice), then finishes it.
-
-    Once finished it holds nothing: neither the works (gloo's keep their tensors) nor the workspace's views. A
-    failure is kept and raised again by every later ``wait()``, as a failed ``Work`` does.
-    """
-
-    def __init__(self, works: Sequence[Any], copy_out: Callable[[], None], release: Callable[[], None]) -> None:
-        self.works = list(works)
-        self.done = False
-        self.error: BaseException | None = None
-        self._copy_out, self._release = copy_out, release
-        self._lock = threading.RLock()
-
-    def ready(self) -> bool:
-        return self.done or all(work.is_completed() for work in self.works)
-
-    def wait(self, *args: Any, **kwargs: Any) -> None:
-        with self._lock:
-            if not self.done:
-                self.done = True
-                try:
-                    for work in self.works:
-                        work.wait(*args, **kwargs)
-                    self._copy_out()
-                except BaseException as error:
-                    self.error = error
-                finally:
-                    self._release()
-                    self.works, self._copy_out, self._release = [], None, None
-            if self.error is not None:
-                raise self.error
-
-
-class StagedWork(dist.Work):
-    """The ``Work`` of an asynchronous staged collective: copies out and frees the workspace once waited on.
-
-    A work dropped without ``wait()`` is finished by the layer's next staged call once the backend has
-    completed it, never by blocking: its result then reaches the caller's tensors and its workspace is freed.
-    Every ``StagedWork`` of one ``batch_isend_irecv`` waits for the whole batch, since its receives are copied
-    out together.
-    """
-
-    def __init__(self, completion: _Completion, orphans: Callable[[_Completion], None]) -> None:
-        super().__init__()
-        self._completion = completion
-        weakref.finalize(self, orphans, completion).atexit = False
-
-    @torch._dynamo.disable
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        self._completion.wait(*args, **kwargs)
-        return True
-
-    def synchronize(self) -> None:
-        self.wait()
-
-    @torch._dynamo.disable
-    def is_completed(self) -> bool:
-        if not self._completion.ready():
-            return False
-        with contextlib.suppress(Exception):  # a failure is the work's, kept for wait() and exception()
-            self._completion.wait()
-        return True
-
-    def is_success(self) -> bool:
-        return self.is_completed() and self._completion.error is None
-
-    def exception(self) -> Any:
-        self.is_completed()
-        return self._completion.error
-
-    def result(self) -> Any:
-        raise NotImplementedError(
-            f"result() on a staged collective: read the tensors you passed, or set {SWITCH_ENV}=0"
-        )
-
-    def get_future(self) -> Any:
-        raise NotImplementedError(
-            f"get_future() on a collective staged through a persistent workspace: call wait() instead, or set "
-            f"{SWITCH_ENV}=0"
-        )
 
 
 def _copy_back(destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -217,7 +135,7 @@ class PersistentCollectives:
         self.fallbacks = 0
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._lock = threading.RLock()  # adopt() runs from a finalizer, which a collection may start anywhere
-        self._orphans: list[_Completion] = []  # works dropped before they were waited on
+        self._orphans: list[Completion] = []  # works dropped before they were waited on
 
     def all_pools(self) -> list[WorkspacePool]:
         return [pool for by_device in list(self.pools.values()) for pool in by_device.values()]
@@ -274,7 +192,7 @@ class PersistentCollectives:
         self.passed_through += 1
         return plain_call()
 
-    def adopt(self, completion: _Completion) -> None:
+    def adopt(self, completion: Completion) -> None:
         """A ``StagedWork`` was collected: finish its collective later, once the backend has (never block here)."""
         if not completion.done:
             with self._lock:
@@ -327,7 +245,7 @@ class PersistentCollectives:
             finally:
                 pool.release(workspace)
             return work
-        completion = _Completion(work if isinstance(work, list) else [work], copy_out, lambda: pool.release(workspace))
+        completion = Completion(work if isinstance(work, list) else [work], copy_out, lambda: pool.release(workspace))
         if isinstance(work, list):  # batch_isend_irecv: a Work per op, or one for the coalesced batch
             return [StagedWork(completion, self.adopt) for _ in work]
         return StagedWork(completion, self.adopt)

@@ -1,0 +1,96 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""The ``Work`` of an asynchronous staged collective: its result reaches the caller's tensors exactly once."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_SWITCH = "VLLM_OMNI_PERSISTENT_COLLECTIVES=0"  # how a caller who needs the plain Work gets it
+
+
+class Completion:
+    """Waits for a staged collective's works exactly once (gloo cannot wait on a send twice), then finishes it.
+
+    Once finished it holds nothing: neither the works (gloo's keep their tensors) nor the workspace's views. A
+    failure is kept and raised again by every later ``wait()``, as a failed ``Work`` does.
+    """
+
+    def __init__(self, works: Sequence[Any], copy_out: Callable[[], None], release: Callable[[], None]) -> None:
+        self.works = list(works)
+        self.done = False
+        self.error: BaseException | None = None
+        self._copy_out, self._release = copy_out, release
+        self._lock = threading.RLock()
+
+    def ready(self) -> bool:
+        return self.done or all(work.is_completed() for work in self.works)
+
+    def wait(self, *args: Any, **kwargs: Any) -> None:
+        with self._lock:
+            if not self.done:
+                self.done = True
+                try:
+                    for work in self.works:
+                        work.wait(*args, **kwargs)
+                    self._copy_out()
+                except BaseException as error:
+                    self.error = error
+                finally:
+                    self._release()
+                    self.works, self._copy_out, self._release = [], None, None
+            if self.error is not None:
+                raise self.error
+
+
+class StagedWork(dist.Work):
+    """The ``Work`` of an asynchronous staged collective: copies out and frees the workspace once waited on.
+
+    A work dropped without ``wait()`` is finished by the layer's next staged call once the backend has
+    completed it, never by blocking: its result then reaches the caller's tensors and its workspace is freed.
+    Every ``StagedWork`` of one ``batch_isend_irecv`` waits for the whole batch, since its receives are copied
+    out together.
+    """
+
+    def __init__(self, completion: Completion, orphans: Callable[[Completion], None]) -> None:
+        super().__init__()
+        self._completion = completion
+        weakref.finalize(self, orphans, completion).atexit = False
+
+    @torch._dynamo.disable
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        self._completion.wait(*args, **kwargs)
+        return True
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    @torch._dynamo.disable
+    def is_completed(self) -> bool:
+        if not self._completion.ready():
+            return False
+        with contextlib.suppress(Exception):  # a failure is the work's, kept for wait() and exception()
+            self._completion.wait()
+        return True
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._completion.error is None
+
+    def exception(self) -> Any:
+        self.is_completed()
+        return self._completion.error
+
+    def result(self) -> Any:
+        raise NotImplementedError(f"result() on a staged collective: read the tensors you passed, or set {_SWITCH}")
+
+    def get_future(self) -> Any:
+        raise NotImplementedError(
+            f"get_future() on a collective staged through a persistent workspace: call wait() instead, or set {_SWITCH}"
+        )
