@@ -39,6 +39,20 @@ def traced_kinds(world: int) -> Callable[[torch.nn.Module, torch.Tensor], torch.
     return forward
 
 
+def unused_results(world: int) -> Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]:
+    """Collectives whose results the function never reads: every rank must still run each of them."""
+
+    def forward(linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x)
+        dist.all_reduce(y * 1)
+        gathered = y.new_empty((world * y.shape[0], y.shape[1]))
+        dist.all_gather_into_tensor(gathered, y)
+        dist.all_to_all_single(torch.empty_like(gathered), gathered)
+        return y * 2
+
+    return forward
+
+
 def odd_layouts(world: int) -> dict[str, Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]]:
     """Layouts where the functional collective's row-major view of a tensor decides the result."""
 
@@ -119,6 +133,8 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         uninstall_persistent_collectives,
     )
 
+    # A cached graph from an earlier run could hide a collective dropped as dead code: compile afresh.
+    torch._inductor.config.force_disable_caches = True
     torch.manual_seed(0)
     linear = torch.nn.Linear(8, 8)
     inputs = [data(rank, (n, 8), torch.float32, salt=n) for n in (3, 5)]
@@ -140,6 +156,11 @@ def checks(rank: int, world: int) -> dict[str, Any]:
                 workspaces = {w.block.untyped_storage().data_ptr() for p in pools for w in p.workspaces}
                 report["handed_workspaces_only"][f"traced/{backend}"] = bool(handed) and set(handed) <= workspaces
                 recorder.close()
+        for backend in ("aot_eager", "inductor"):
+            before = installed().stats()["staged_calls"] if mode == "on" else 0
+            report[mode][f"unused/{backend}"] = _run_compiled(unused_results(world), backend, linear, inputs)
+            if mode == "on":
+                report["staged"][f"unused/{backend}"] = installed().stats()["staged_calls"] - before
         for name, fn in odd_layouts(world).items():
             for backend in ("aot_eager", "inductor"):
                 report[mode][f"{name}/{backend}"] = _run_compiled(fn, backend, linear, inputs)

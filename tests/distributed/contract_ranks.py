@@ -166,11 +166,55 @@ def cases(rank: int, world: int, groups: dict[str, Any]) -> dict[str, Callable[[
         dist.all_gather_object(gathered, ("shape", rank, [rank] * rank))
         return {"broadcast": objects, "gathered": [list(g) for g in gathered]}
 
+    def chained_on_one_tensor() -> dict:
+        # The second call reads what the first wrote, as the backend runs a group's calls in the order issued.
+        tensor = data(rank, (6,), torch.int64, 19)
+        work = dist.all_reduce(tensor, async_op=True)
+        dist.all_reduce(tensor)
+        work.wait()
+        return {"tensor": tensor}
+
+    def average_saved_for_backward() -> dict:
+        x = data(rank, (6,), torch.float32, 21).requires_grad_()
+        y = x.exp()
+        before = y._version
+        dist.all_reduce(y, op=dist.ReduceOp.AVG)
+        bump = y._version - before
+        y.sum().backward()  # plain raises: the division bumped the version
+        return {"version_bump": bump, "grad": x.grad}
+
+    def average_of_integers() -> dict:
+        tensor = data(rank, (6,), torch.int64, 22)
+        try:
+            dist.all_reduce(tensor, op=dist.ReduceOp.AVG)
+            raised = None
+        except RuntimeError as error:  # plain: the sum is written, then the division refuses integers
+            raised = str(error).splitlines()[0]
+        return {"tensor": tensor, "raised": raised}
+
+    def barrier_after_async_work() -> dict:
+        # gloo's barrier waits for the group's earlier work: its result is there before wait() is called.
+        tensor = data(rank, (6,), torch.int64, 23)
+        work = dist.all_reduce(tensor, async_op=True)
+        dist.barrier()
+        seen = tensor.clone()
+        work.wait()
+        return {"seen": seen, "tensor": tensor}
+
+    def barrier_with_a_timeout_on_one_rank() -> dict:
+        if rank == 0:
+            dist.barrier(group=first, timeout=timedelta(seconds=30))
+        else:
+            dist.barrier(group=first)
+        dist.barrier(group=first, async_op=True).wait()
+        return {"passed": True}
+
     return {fn.__name__: fn for fn in (
         outside_group_sync, outside_group_async, coalesced, transposed_sum, strided_with_gaps, saved_for_backward,
         flat_output_2d_input, flat_output_0d_input, stacked_output, dropped_works, object_collectives,
         dropped_work_then_another_group, gather_output_saved_for_backward, bool_sum, conjugated_complex,
-        p2p_as_a_tuple, all_to_all_in_place,
+        p2p_as_a_tuple, all_to_all_in_place, chained_on_one_tensor, average_saved_for_backward, average_of_integers,
+        barrier_after_async_work, barrier_with_a_timeout_on_one_rank,
     )}  # fmt: skip
 
 
@@ -258,6 +302,21 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     started = time.monotonic()
     dist.barrier()
     report["barrier"] = {"waited_s": time.monotonic() - started, "calls": [name for name, _ in recorder.take()]}
+
+    # A barrier on a rank that gets no workspace (a new group's first call, its allocator failing on rank 1).
+    from vllm_omni.distributed import collective_workspaces
+
+    fresh = dist.new_group(list(range(world)), timeout=short)
+    real_allocate = collective_workspaces.allocate_bytes
+    if rank == 1:
+        collective_workspaces.allocate_bytes = lambda *args: (_ for _ in ()).throw(cpu_allocator_error)
+    before = layer.stats()["fallbacks"]
+    try:
+        report["barrier_without_workspace"] = observe(lambda: {"returned": dist.barrier(group=fresh)})
+    finally:
+        collective_workspaces.allocate_bytes = real_allocate
+    report["barrier_without_workspace"]["fallbacks"] = layer.stats()["fallbacks"] - before
+    report["barrier_without_workspace"]["calls"] = [name for name, _ in recorder.take()]
     recorder.close()
     uninstall_persistent_collectives()
     for name in KINDS:

@@ -62,3 +62,10 @@ def test_compiled_collectives_run_staged_at_run_time(reports, case):
 @pytest.mark.parametrize("case", TRACED)
 def test_compiled_collectives_hand_the_backend_only_workspaces(reports, case):
     assert all(report["handed_workspaces_only"][case] for report in reports)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_compiled_collective_whose_result_is_unused_still_runs_on_every_rank(reports, backend):
+    for report in reports:
+        assert report["staged"][f"unused/{backend}"] == 2 * 3  # two input shapes, three collectives each
+        assert report["on"][f"unused/{backend}"]["bits"] == report["off"][f"unused/{backend}"]["bits"]

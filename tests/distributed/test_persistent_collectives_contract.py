@@ -10,9 +10,11 @@ from __future__ import annotations
 import inspect
 
 import pytest
+import torch
 import torch.distributed.distributed_c10d as c10d
 
 from tests.distributed import contract_ranks
+from tests.distributed.layer_ranks import bits, data
 from tests.utils import results_or_raise, run_ranks, use_working_tree
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
@@ -35,6 +37,10 @@ SAME_AS_PLAIN = (
     "bool_sum",
     "conjugated_complex",
     "p2p_as_a_tuple",
+    "average_saved_for_backward",
+    "average_of_integers",
+    "barrier_after_async_work",
+    "barrier_with_a_timeout_on_one_rank",
 )
 
 
@@ -162,3 +168,34 @@ def test_every_staged_function_has_distributed_c10ds_own_signature():
         )
         defaults = [p.default for p in inspect.signature(STAGED[name]).parameters.values()]
         assert defaults == [p.default for p in inspect.signature(getattr(c10d, name)).parameters.values()], name
+
+
+def test_an_average_goes_to_the_plain_collective_which_divides_in_the_callers_tensor(reports):
+    for report in reports:
+        assert report["plain"]["average_saved_for_backward"]["raised"] == "RuntimeError"
+        assert report["plain"]["average_of_integers"]["raised"] is not None
+        for case in ("average_saved_for_backward", "average_of_integers"):
+            assert report["staged"][case]["_staged"] == 0, case
+
+
+def test_a_barrier_lands_the_results_of_the_groups_earlier_asynchronous_calls(reports):
+    for rank, report in enumerate(reports):
+        plain = report["plain"]["barrier_after_async_work"]
+        assert plain["seen"] == plain["tensor"], rank  # the oracle: gloo's barrier waits for earlier work
+        assert report["staged"]["barrier_after_async_work"]["_staged"] == 2, rank
+
+
+def test_a_barrier_on_a_rank_without_a_workspace_is_the_same_collective_as_its_peers(reports):
+    for rank, report in enumerate(reports):
+        outcome = report["barrier_without_workspace"]
+        assert outcome["returned"] is None and outcome["calls"] == ["all_reduce"], rank
+        assert outcome["fallbacks"] == (1 if rank == 1 else 0), rank
+
+
+def test_calls_on_one_tensor_act_in_the_order_they_were_issued(reports):
+    # The oracle here is a device backend's stream order: gloo runs the two plain calls on its own threads, and
+    # their result varies from run to run.
+    total = sum(data(rank, (6,), torch.int64, 19) for rank in range(WORLD))
+    for rank, report in enumerate(reports):
+        assert report["staged"]["chained_on_one_tensor"]["tensor"] == bits(WORLD * total).tolist(), rank
+        assert report["staged"]["chained_on_one_tensor"]["_staged"] == 2, rank

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from vllm_omni.distributed.persistent_collectives import SWITCH_ENV, PersistentCollectives
@@ -31,9 +32,12 @@ class _BackendWork:
         return True
 
 
-def _staged(work: _BackendWork, layer: PersistentCollectives) -> tuple[StagedWork, list[str]]:
+def _staged(
+    work: _BackendWork, layer: PersistentCollectives, group: object = None, touches: tuple = ()
+) -> tuple[StagedWork, list[str]]:
     events: list[str] = []
     completion = Completion([work], lambda: events.append("copied out"), lambda: events.append("released"))
+    layer.track(completion, group, touches)
     return StagedWork(completion, layer.adopt), events
 
 
@@ -62,12 +66,41 @@ def test_a_dropped_work_never_blocks_and_is_finished_by_a_later_call_once_comple
     work, events = _staged(backend, layer)
     del work
     gc.collect()
-    assert backend.waits == 0 and len(layer._orphans) == 1  # collected: nothing waited for
-    layer._finish_orphans()
-    assert events == [] and len(layer._orphans) == 1  # not complete yet: left alone
+    assert backend.waits == 0 and events == []  # collected: nothing waited for
+    layer.settle()
+    assert backend.waits == 0 and events == []  # not complete yet: left alone
     backend.completed = True
-    layer._finish_orphans()
-    assert events == ["copied out", "released"] and layer._orphans == []
+    layer.settle()
+    assert events == ["copied out", "released"]
+
+
+def test_a_call_on_the_storage_of_a_work_in_flight_finishes_that_work_first():
+    layer, backend, tensor = PersistentCollectives("cpu", {}), _BackendWork(), torch.ones(8)
+    work, events = _staged(backend, layer, touches=(tensor,))
+    layer.settle((torch.ones(8),))
+    assert events == []  # another storage: the works are independent, as plain ones are
+    layer.settle((tensor[4:],))
+    assert events == ["copied out", "released"] and backend.waits == 1  # a view of the same storage: in order
+    assert work.wait() and backend.waits == 1
+
+
+def test_a_barrier_finishes_the_works_in_flight_on_its_group_and_no_others():
+    layer, group, other = PersistentCollectives("cpu", {}), object(), object()
+    mine, theirs = _BackendWork(), _BackendWork()
+    kept = [_staged(mine, layer, group), _staged(theirs, layer, other)]
+    layer.settle(group=group)
+    assert kept[0][1] == ["copied out", "released"] and kept[1][1] == [] and theirs.waits == 0
+
+
+def test_uninstall_finishes_dropped_works_so_their_results_land():
+    layer, dropped, held = PersistentCollectives("cpu", {}), _BackendWork(), _BackendWork()
+    work, dropped_events = _staged(dropped, layer)
+    kept, held_events = _staged(held, layer)
+    del work
+    gc.collect()
+    layer.finish_dropped()  # blocks on a dropped work even before it completes: nothing later will finish it
+    assert dropped_events == ["copied out", "released"] and dropped.waits == 1
+    assert held_events == [] and held.waits == 0  # its holder waits for it
 
 
 def test_result_and_get_future_are_refused_naming_the_switch():

@@ -67,7 +67,11 @@ def switch_mode() -> str:
 
 @dataclass
 class _Stage:
-    """How one call goes through a workspace: what to carve, copy in, run on it, and copy out."""
+    """How one call goes through a workspace: what to carve, copy in, run on it, and copy out.
+
+    ``touches`` are the caller's tensors: an asynchronous call still in flight on any of their storages is finished
+    first, since the plain collectives on one tensor act in the order they were issued.
+    """
 
     regions: list[Region]
     copy_in: Callable[[list[torch.Tensor]], None]
@@ -76,6 +80,16 @@ class _Stage:
     group: Any
     device: torch.device
     async_op: bool
+    touches: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass
+class _InFlight:
+    """An asynchronous staged call not yet finished: its group, the storages it writes or reads, its completion."""
+
+    group: Any
+    storages: frozenset[int]
+    completion: Completion
 
 
 def _copy_back(destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -105,8 +119,31 @@ def _open(group: Any) -> bool:
         return False
 
 
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
 def _same_storage(first: torch.Tensor, second: torch.Tensor) -> bool:
-    return first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    return _storage(first) == _storage(second)
+
+
+def _default(group: Any) -> Any:
+    return group if group is not None else c10d._get_default_group()
+
+
+# Reductions a workspace stages with the plain collective's semantics. AVG is not one: gloo divides in the caller's
+# tensor after the sum, bumping its version and raising for integers with the sum already written.
+_STAGED_REDUCTIONS = frozenset(
+    (
+        dist.ReduceOp.SUM,
+        dist.ReduceOp.PRODUCT,
+        dist.ReduceOp.MIN,
+        dist.ReduceOp.MAX,
+        dist.ReduceOp.BAND,
+        dist.ReduceOp.BOR,
+        dist.ReduceOp.BXOR,
+    )
+)
 
 
 def _barrier_device(group: Any, device_ids: Any) -> torch.device:
@@ -135,7 +172,7 @@ class PersistentCollectives:
         self.fallbacks = 0
         self._fallbacks_logged: set[tuple[str, str]] = set()
         self._lock = threading.RLock()  # adopt() runs from a finalizer, which a collection may start anywhere
-        self._orphans: list[Completion] = []  # works dropped before they were waited on
+        self._in_flight: list[_InFlight] = []
 
     def all_pools(self) -> list[WorkspacePool]:
         return [pool for by_device in list(self.pools.values()) for pool in by_device.values()]
@@ -166,7 +203,7 @@ class PersistentCollectives:
         )
 
     def pool(self, group: Any, device: torch.device) -> WorkspacePool:
-        group = group if group is not None else c10d._get_default_group()
+        group = _default(group)
         device = resolve_device(device)
         with self._lock:
             by_device = self.pools.setdefault(group, {})
@@ -188,29 +225,55 @@ class PersistentCollectives:
         pool.release(workspace)
         return workspace.nbytes
 
-    def pass_through(self, plain_call: Callable[[], Any]) -> Any:
+    def pass_through(self, plain_call: Callable[[], Any], *touches: Any) -> Any:
+        self.settle(touches)
         self.passed_through += 1
         return plain_call()
 
     def adopt(self, completion: Completion) -> None:
-        """A ``StagedWork`` was collected: finish its collective later, once the backend has (never block here)."""
-        if not completion.done:
-            with self._lock:
-                self._orphans.append(completion)
+        """A ``StagedWork`` was collected: its collective is finished later, once the backend has (never block here)."""
+        completion.dropped = True
 
-    def _finish_orphans(self) -> None:
-        if not self._orphans:
-            return
+    def track(self, completion: Completion, group: Any, touches: tuple[torch.Tensor, ...]) -> None:
+        """Keep an asynchronous staged call until it is finished: later calls may have to finish it first."""
         with self._lock:
-            ready = [c for c in self._orphans if c.ready()]
-            self._orphans = [c for c in self._orphans if c not in ready]
-        for completion in ready:
-            with contextlib.suppress(Exception):  # nobody is left to receive its error
+            self._in_flight.append(_InFlight(group, frozenset(_storage(t) for t in touches), completion))
+
+    def settle(self, touches: tuple[torch.Tensor, ...] = (), group: Any = None) -> None:
+        """Finish the asynchronous staged calls a new call must follow, as the plain collectives are ordered.
+
+        Those on a storage of ``touches``; every one of ``group`` (a barrier's: gloo's waits for its group's earlier
+        work); and dropped ones the backend has completed, never blocking for those. An error stays with its work,
+        for its ``wait()`` to raise.
+        """
+        if not self._in_flight:
+            return
+        storages = {_storage(t) for t in touches if isinstance(t, torch.Tensor)}
+        with self._lock:
+            self._in_flight = [f for f in self._in_flight if not f.completion.done]
+            due = [
+                f
+                for f in self._in_flight
+                if f.storages & storages
+                or (group is not None and f.group is group)
+                or (f.completion.dropped and f.completion.ready())
+            ]
+        for flight in due:
+            with contextlib.suppress(Exception):
+                flight.completion.wait()
+
+    def finish_dropped(self) -> None:
+        """Wait for every dropped work, so that its result lands before the layer goes."""
+        with self._lock:
+            dropped = [f.completion for f in self._in_flight if f.completion.dropped]
+            self._in_flight = []
+        for completion in dropped:
+            with contextlib.suppress(Exception):
                 completion.wait()
 
-    def run(self, name: str, stage: _Stage, plain_call: Callable[[], Any]) -> Any:
-        """Run ``stage`` in a workspace; ``plain_call`` instead when none can be had on this rank."""
-        self._finish_orphans()
+    def run(self, name: str, stage: _Stage, fallback: Callable[[], Any]) -> Any:
+        """Run ``stage`` in a workspace; ``fallback`` instead when none can be had on this rank."""
+        self.settle(stage.touches)
         nbytes = regions_nbytes(stage.regions)
         try:
             pool = self.pool(stage.group, stage.device)
@@ -220,7 +283,7 @@ class PersistentCollectives:
             workspace, problem = None, ("memory", f"no workspace of {nbytes} bytes on {stage.device}: {error}")
         if workspace is None:
             self._fallback(name, *problem)
-            return self.pass_through(plain_call)
+            return self.pass_through(fallback)
         try:
             # Workspace views are normal tensors whatever the caller's mode, since the backend writes them in place;
             # the copy-in runs in inference mode, which may write them from inference tensors too. Each kind copies
@@ -246,6 +309,7 @@ class PersistentCollectives:
                 pool.release(workspace)
             return work
         completion = Completion(work if isinstance(work, list) else [work], copy_out, lambda: pool.release(workspace))
+        self.track(completion, _default(stage.group), stage.touches)
         if isinstance(work, list):  # batch_isend_irecv: a Work per op, or one for the coalesced batch
             return [StagedWork(completion, self.adopt) for _ in work]
         return StagedWork(completion, self.adopt)
@@ -267,8 +331,8 @@ class PersistentCollectives:
     def all_reduce(self, tensor, op, group, async_op):
         plain = self.plain["all_reduce"]
         call = lambda: plain(tensor, op=op, group=group, async_op=async_op)  # noqa: E731
-        if not (self.stages(tensor) and _open(group)):
-            return self.pass_through(call)
+        if not (self.stages(tensor) and _open(group)) or op not in _STAGED_REDUCTIONS:
+            return self.pass_through(call, tensor)
         stage = _Stage(
             [region_of(tensor)],  # the caller's strides: a reduction sees elements in the same order
             lambda v: v[0].copy_(tensor),
@@ -277,6 +341,7 @@ class PersistentCollectives:
             group,
             tensor.device,
             async_op,
+            (tensor,),
         )
         return self.run("all_reduce", stage, call)
 
@@ -285,7 +350,7 @@ class PersistentCollectives:
         kwargs = {"src": src, "group": group, "async_op": async_op, "group_src": group_src}
         call = lambda: plain(tensor, **kwargs)  # noqa: E731
         if not (self.stages(tensor) and _open(group)) or (src is None) == (group_src is None):
-            return self.pass_through(call)
+            return self.pass_through(call, tensor)
         is_source = dist.get_rank(group) == group_src if group_src is not None else dist.get_rank() == src
         stage = _Stage(
             [region_of(tensor)],
@@ -295,10 +360,11 @@ class PersistentCollectives:
             group,
             tensor.device,
             async_op,
+            (tensor,),
         )
         return self.run("broadcast", stage, call)
 
-    def _gather_in_place(self, name, output_shape, tensor, group, async_op, copy_out) -> _Stage:
+    def _gather_in_place(self, name, output_shape, tensor, group, async_op, copy_out, outputs) -> _Stage:
         """Copy-in to this rank's slice of one output region, one in-place all-gather, copy-out (FSDP2's pattern).
 
         ``output_shape`` is the caller's output for a tensor gather (the input keeps its shape), flat for a list.
@@ -317,6 +383,7 @@ class PersistentCollectives:
             group,
             tensor.device,
             async_op,
+            (tensor, *outputs),
         )
 
     def all_gather_into_tensor(self, output_tensor, input_tensor, group, async_op, name="all_gather_into_tensor"):
@@ -324,13 +391,12 @@ class PersistentCollectives:
         plain = self.plain[name]
         call = lambda: plain(output, tensor, group=group, async_op=async_op)  # noqa: E731
         if not (self._stages_all(output, tensor) and _open(group)):
-            return self.pass_through(call)
+            return self.pass_through(call, output, tensor)
         concatenated = (dist.get_world_size(group) * tensor.shape[0], *tensor.shape[1:]) if tensor.dim() else None
         if output.dtype != tensor.dtype or tuple(output.shape) != concatenated:
-            return self.pass_through(call)  # a form not every backend takes: the backend decides, on every rank
-        stage = self._gather_in_place(
-            name, output.shape, tensor, group, async_op, lambda v: _copy_gathered(output, v[0])
-        )
+            return self.pass_through(call, output, tensor)  # a form not every backend takes: it decides, everywhere
+        copy_out = lambda v: _copy_gathered(output, v[0])  # noqa: E731
+        stage = self._gather_in_place(name, output.shape, tensor, group, async_op, copy_out, (output,))
         return self.run(name, stage, call)
 
     def all_gather_single(self, output_tensor, input_tensor, group, async_op):
@@ -341,17 +407,17 @@ class PersistentCollectives:
         call = lambda: plain(tensor_list, tensor, group=group, async_op=async_op)  # noqa: E731
         outputs_staged = isinstance(tensor_list, list) and all(self.stages(o) for o in tensor_list)
         if not (outputs_staged and self._stages_all(tensor) and _open(group)):
-            return self.pass_through(call)
+            return self.pass_through(call, tensor, *(tensor_list if isinstance(tensor_list, list) else ()))
         world = dist.get_world_size(group)
         if len(tensor_list) != world or any(o.shape != tensor.shape or o.dtype != tensor.dtype for o in tensor_list):
-            return self.pass_through(call)  # uneven: the backend's own list gather, and its own errors
+            return self.pass_through(call, tensor, *tensor_list)  # uneven: the backend's own list gather and errors
 
         def copy_out(views: list[torch.Tensor]) -> None:
             for output, part in zip(tensor_list, views[0].view(world, *tensor.shape).unbind(0), strict=True):
                 _copy_gathered(output, part)
 
         flat = torch.Size([world * tensor.numel()])
-        stage = self._gather_in_place("all_gather_single", flat, tensor, group, async_op, copy_out)
+        stage = self._gather_in_place("all_gather_single", flat, tensor, group, async_op, copy_out, tensor_list)
         return self.run("all_gather", stage, call)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, group, async_op):
@@ -364,7 +430,7 @@ class PersistentCollectives:
         }
         call = lambda: plain(output, input, **kwargs)  # noqa: E731
         if not (self._stages_all(output, input) and _open(group)) or _same_storage(output, input):
-            return self.pass_through(call)  # an output that is its input: whatever the backend makes of it
+            return self.pass_through(call, output, input)  # an output that is its input: the backend's business
         stage = _Stage(
             [region_of(input), region_of(output)],
             lambda v: v[0].copy_(input),
@@ -373,6 +439,7 @@ class PersistentCollectives:
             group,
             input.device,
             async_op,
+            (input, output),
         )
         return self.run("all_to_all_single", stage, call)
 
@@ -387,7 +454,7 @@ class PersistentCollectives:
             or len({id(op.group) for op in ops}) != 1
             or not _open(ops[0].group)
         ):
-            return self.pass_through(call)
+            return self.pass_through(call, *(op.tensor for op in ops if isinstance(op, dist.P2POp)))
         sends = [op.op in (dist.isend, dist.send) for op in ops]
 
         def copy_in(views: list[torch.Tensor]) -> None:
@@ -405,29 +472,49 @@ class PersistentCollectives:
             return plain([dist.P2POp(op.op, view, peer=op.peer, group=op.group, tag=op.tag) for op, view in pairs])
 
         regions = [region_of(op.tensor) for op in ops]
-        stage = _Stage(regions, copy_in, call_on, copy_out, ops[0].group, ops[0].tensor.device, True)
+        touches = tuple(op.tensor for op in ops)
+        stage = _Stage(regions, copy_in, call_on, copy_out, ops[0].group, ops[0].tensor.device, True, touches)
         return self.run("batch_isend_irecv", stage, call)
 
     def barrier(self, group, async_op, device_ids, timeout):
-        """An all-reduce of a one-element workspace region, then the host waits for the device, as XCCL's does."""
+        """An all-reduce of a one-element workspace region, then the host waits for the device, as XCCL's does.
+
+        The group's earlier staged calls finish first, as gloo's barrier waits for the group's earlier work. A rank
+        that gets no workspace all-reduces a fresh element: every rank still enters the same collective. A timeout
+        bounds a synchronous barrier's wait; an asynchronous one is bounded by its ``wait()``.
+        """
         plain = self.plain["barrier"]
         call = lambda: plain(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)  # noqa: E731
-        if timeout is not None or not _open(group):
+        if not _open(group):
             return self.pass_through(call)
         device = _barrier_device(group, device_ids)
         if device.type != self.device_type:
             return self.pass_through(call)
+        self.settle(group=_default(group))
         reduce = self.plain["all_reduce"]
+
+        def on(token: torch.Tensor) -> Any:
+            if timeout is None or async_op:
+                return reduce(token, group=group, async_op=async_op)
+            reduce(token, group=group, async_op=True).wait(timeout)
+            return None
+
+        def on_fresh_token() -> Any:
+            work = on(torch.zeros(1, dtype=torch.int32, device=device))
+            if not async_op:
+                synchronize(device)
+            return work
+
         stage = _Stage(
             [contiguous_region(torch.Size([1]), torch.int32)],
             lambda v: v[0].zero_(),
-            lambda v: reduce(v[0], group=group, async_op=async_op),
+            lambda v: on(v[0]),
             lambda v: synchronize(device),
             group,
             device,
             async_op,
         )
-        return self.run("barrier", stage, call)
+        return self.run("barrier", stage, on_fresh_token)
 
     def _stages_all(self, *tensors: Any) -> bool:
         """Every tensor staged, and contiguous: the forms the gathers and all-to-alls take in place."""
@@ -451,12 +538,27 @@ def _group_name(group: Any) -> str:
     return fc._resolve_group_name(group if group is not None else dist.group.WORLD)
 
 
+_calling = threading.local()  # set while the layer runs a call: torch's own functions reach it again from inside
+
+
 def _eager(name: str) -> Callable:
-    """The kind's staged call, or the plain one once the layer is gone, run outside any traced graph."""
+    """The kind's staged call, or the plain one once the layer is gone, run outside any traced graph.
+
+    A call made from inside the layer's own (torch's ``all_gather_into_tensor`` calls ``all_gather_single``) goes
+    to the function the layer replaced, as it would without the layer.
+    """
 
     def call(*args: Any) -> Any:
         layer = _installed
-        return getattr(layer, name)(*args) if layer is not None else getattr(c10d, name)(*args)
+        if layer is None:
+            return getattr(c10d, name)(*args)
+        if getattr(_calling, "active", False):
+            return layer.originals[c10d.__name__, name](*args)
+        _calling.active = True
+        try:
+            return getattr(layer, name)(*args)
+        finally:
+            _calling.active = False
 
     return call
 
@@ -508,6 +610,9 @@ def _all_to_all_op(
 
 for _op in (_all_reduce_op, _all_gather_op, _all_to_all_op):
     _op.register_fake(lambda *args: None)
+    # Every rank runs a collective even where its result goes unused: not dead code to FX's or Inductor's passes
+    # (torch marks its functional collectives' wait the same way).
+    torch.fx.node.has_side_effect(_op._opoverload)
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -608,4 +713,5 @@ def uninstall_persistent_collectives() -> None:
         for name in KINDS:
             if getattr(namespace, name, None) is STAGED[name]:
                 setattr(namespace, name, _installed.originals[namespace.__name__, name])
+    _installed.finish_dropped()
     _installed = None

@@ -26,6 +26,7 @@ class Completion:
     def __init__(self, works: Sequence[Any], copy_out: Callable[[], None], release: Callable[[], None]) -> None:
         self.works = list(works)
         self.done = False
+        self.dropped = False  # its StagedWork was collected unwaited: the layer finishes it
         self.error: BaseException | None = None
         self._copy_out, self._release = copy_out, release
         self._lock = threading.RLock()
@@ -53,8 +54,9 @@ class Completion:
 class StagedWork(dist.Work):
     """The ``Work`` of an asynchronous staged collective: copies out and frees the workspace once waited on.
 
-    A work dropped without ``wait()`` is finished by the layer's next staged call once the backend has
-    completed it, never by blocking: its result then reaches the caller's tensors and its workspace is freed.
+    A work dropped without ``wait()`` is finished by the layer's next call once the backend has completed it,
+    never by blocking, or when the layer is uninstalled: its result then reaches the caller's tensors and its
+    workspace is freed. A later call on the same tensors, or a barrier of its group, finishes it first.
     Every ``StagedWork`` of one ``batch_isend_irecv`` waits for the whole batch, since its receives are copied
     out together.
     """
