@@ -262,6 +262,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         report["staged"][name]["_handed"] = sorted({name for name, _ in recorder.take()})
         report["staged"][name]["_staged"] = layer.stats()["staged_calls"] - before["staged_calls"]
         report["staged"][name]["_fallbacks"] = layer.stats()["fallbacks"] - before["fallbacks"]
+        report["staged"][name]["_passed"] = layer.stats()["passed_through"] - before["passed_through"]
     report["busy_after_all"] = sum(w.busy for p in layer.all_pools() for w in p.workspaces)
     report["recorder_calls"] = signature_less.calls
     recorder.close()

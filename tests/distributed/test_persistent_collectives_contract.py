@@ -199,3 +199,10 @@ def test_calls_on_one_tensor_act_in_the_order_they_were_issued(reports):
     for rank, report in enumerate(reports):
         assert report["staged"]["chained_on_one_tensor"]["tensor"] == bits(WORLD * total).tolist(), rank
         assert report["staged"]["chained_on_one_tensor"]["_staged"] == 2, rank
+
+
+def test_torchs_own_nested_calls_reach_the_function_the_layer_replaced_and_are_not_counted(reports):
+    # torch's all_gather_into_tensor calls distributed_c10d's all_gather_single, which the layer also replaces.
+    for report in reports:
+        staged = report["staged"]["gather_output_saved_for_backward"]
+        assert staged["_staged"] == 2 and staged["_passed"] == 0
