@@ -126,6 +126,28 @@ def _run_compiled(fn, backend: str, linear, inputs) -> dict[str, Any]:
     }
 
 
+def _gradients(backend: str | None, inputs: list[torch.Tensor]) -> list[list[int]]:
+    """A weight's gradient through an all-reduce (training); ``backend=None`` runs it uncompiled."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(8, 8)
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        y = linear(x)
+        dist.all_reduce(y)
+        return (y * y).sum()
+
+    run = loss if backend is None else torch.compile(loss, backend=backend, dynamic=True)
+    grads = []
+    for x in inputs:
+        linear.zero_grad()
+        run(x.clone()).backward()
+        grads.append(bits(linear.weight.grad).tolist())
+    return grads
+
+
 def checks(rank: int, world: int) -> dict[str, Any]:
     from vllm_omni.distributed.persistent_collectives import (
         install_persistent_collectives,
@@ -141,6 +163,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     report: dict[str, Any] = {"eager": {}, "off": {}, "on": {}, "staged": {}, "handed_workspaces_only": {}}
     with torch.no_grad():
         report["eager"]["traced"] = [bits(traced_kinds(world)(linear, x)).tolist() for x in inputs]
+    report["eager"]["gradients"] = _gradients(None, inputs)
     for mode in ("off", "on"):
         if mode == "on":
             assert install_persistent_collectives(enabled=True, device_type="cpu")
@@ -161,6 +184,8 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             report[mode][f"unused/{backend}"] = _run_compiled(unused_results(world), backend, linear, inputs)
             if mode == "on":
                 report["staged"][f"unused/{backend}"] = installed().stats()["staged_calls"] - before
+        for backend in ("aot_eager", "inductor"):
+            report[mode][f"gradients/{backend}"] = _gradients(backend, inputs)
         for name, fn in odd_layouts(world).items():
             for backend in ("aot_eager", "inductor"):
                 report[mode][f"{name}/{backend}"] = _run_compiled(fn, backend, linear, inputs)

@@ -69,3 +69,12 @@ def test_a_compiled_collective_whose_result_is_unused_still_runs_on_every_rank(r
     for report in reports:
         assert report["staged"][f"unused/{backend}"] == 2 * 3  # two input shapes, three collectives each
         assert report["on"][f"unused/{backend}"]["bits"] == report["off"][f"unused/{backend}"]["bits"]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_gradients_through_a_compiled_collective_are_torchs_with_the_layer_on(reports, backend):
+    # Compiled, torch's functional all-reduce also reduces the gradient, unlike the uncompiled one: the layer
+    # traces such a call as torch does rather than through its custom op, which has no backward.
+    for report in reports:
+        assert report["on"][f"gradients/{backend}"] == report["off"][f"gradients/{backend}"]
+        assert report["off"][f"gradients/{backend}"] != report["eager"]["gradients"]

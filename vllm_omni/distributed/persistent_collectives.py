@@ -615,8 +615,17 @@ for _op in (_all_reduce_op, _all_gather_op, _all_to_all_op):
     torch.fx.node.has_side_effect(_op._opoverload)
 
 
+def _traced_as_torch(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records through this traced call: torch's functional collective then has a backward (it
+    reduces the gradients too) that the custom ops do not, so the call is traced as torch traces the plain one."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
     if torch.compiler.is_compiling() and not async_op:
+        if _traced_as_torch(tensor):
+            # Dynamo turns the op into its string only where dist.all_reduce is torch's own; the layer's is installed.
+            return _TORCH["all_reduce"](tensor, fc.REDUCE_OP_TO_STR[op], group, async_op)
         return _all_reduce_op(tensor, fc.REDUCE_OP_TO_STR[op], _group_name(group))
     return _run_staged["all_reduce"](tensor, op, group, async_op)
 
@@ -627,20 +636,25 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     if torch.compiler.is_compiling() and not async_op:
+        if _traced_as_torch(output_tensor, input_tensor):
+            return _TORCH["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
         return _all_gather_op(output_tensor, input_tensor, _group_name(group))
     return _run_staged["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
 
 
 def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
     if torch.compiler.is_compiling() and not async_op:
+        if _traced_as_torch(output_tensor, input_tensor):
+            return _TORCH["all_gather_single"](output_tensor, input_tensor, group, async_op)
         return _all_gather_op(output_tensor, input_tensor, _group_name(group))
     return _run_staged["all_gather_single"](output_tensor, input_tensor, group, async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     if torch.compiler.is_compiling() and not async_op:
-        if len(tensor_list) != dist.get_world_size(group) or any(t.shape != tensor.shape for t in tensor_list):
-            return _TORCH["all_gather"](tensor_list, tensor, group, async_op)  # traced as torch traces the plain one
+        uneven = len(tensor_list) != dist.get_world_size(group) or any(t.shape != tensor.shape for t in tensor_list)
+        if uneven or _traced_as_torch(tensor, *tensor_list):
+            return _TORCH["all_gather"](tensor_list, tensor, group, async_op)
         output = tensor.new_empty((len(tensor_list) * tensor.shape[0], *tensor.shape[1:]))
         _all_gather_op(output, tensor, _group_name(group))
         for destination, part in zip(tensor_list, output.chunk(len(tensor_list)), strict=True):
@@ -651,6 +665,8 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     if torch.compiler.is_compiling() and not async_op:
+        if _traced_as_torch(output, input):
+            return _TORCH["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group, async_op)
         return _all_to_all_op(output, input, output_split_sizes, input_split_sizes, _group_name(group))
     return _run_staged["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group, async_op)
 
