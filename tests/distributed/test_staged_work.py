@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -108,3 +109,17 @@ def test_result_and_get_future_are_refused_naming_the_switch():
     for method in (work.result, work.get_future):
         with pytest.raises(NotImplementedError, match=f"{SWITCH_ENV}=0"):
             method()
+
+
+def test_a_work_in_flight_keeps_the_callers_tensors_alive_until_it_finishes():
+    # A broadcast's source is read only: without this its storage could be freed and reused by a later call,
+    # which would then wait for a work it has nothing to do with.
+    source = torch.ones(8)
+    storage = weakref.ref(source.untyped_storage())
+    completion = Completion([_BackendWork()], lambda: None, lambda: None, holds=(source,))
+    del source
+    gc.collect()
+    assert storage() is not None
+    completion.wait()
+    gc.collect()
+    assert storage() is None

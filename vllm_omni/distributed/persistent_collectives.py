@@ -308,7 +308,8 @@ class PersistentCollectives:
             finally:
                 pool.release(workspace)
             return work
-        completion = Completion(work if isinstance(work, list) else [work], copy_out, lambda: pool.release(workspace))
+        works = work if isinstance(work, list) else [work]
+        completion = Completion(works, copy_out, lambda: pool.release(workspace), stage.touches)
         self.track(completion, _default(stage.group), stage.touches)
         if isinstance(work, list):  # batch_isend_irecv: a Work per op, or one for the coalesced batch
             return [StagedWork(completion, self.adopt) for _ in work]

@@ -19,12 +19,21 @@ _SWITCH = "VLLM_OMNI_PERSISTENT_COLLECTIVES=0"  # how a caller who needs the pla
 class Completion:
     """Waits for a staged collective's works exactly once (gloo cannot wait on a send twice), then finishes it.
 
-    Once finished it holds nothing: neither the works (gloo's keep their tensors) nor the workspace's views. A
-    failure is kept and raised again by every later ``wait()``, as a failed ``Work`` does.
+    Until then it holds the caller's tensors (``holds``), as a backend's ``Work`` holds its own: their storages
+    cannot be freed and reused by a later call while this one is in flight. Once finished it holds nothing:
+    neither the works (gloo's keep their tensors) nor the workspace's views. A failure is kept and raised again
+    by every later ``wait()``, as a failed ``Work`` does.
     """
 
-    def __init__(self, works: Sequence[Any], copy_out: Callable[[], None], release: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        works: Sequence[Any],
+        copy_out: Callable[[], None],
+        release: Callable[[], None],
+        holds: Sequence[Any] = (),
+    ) -> None:
         self.works = list(works)
+        self.holds = tuple(holds)
         self.done = False
         self.dropped = False  # its StagedWork was collected unwaited: the layer finishes it
         self.error: BaseException | None = None
@@ -46,7 +55,7 @@ class Completion:
                     self.error = error
                 finally:
                     self._release()
-                    self.works, self._copy_out, self._release = [], None, None
+                    self.works, self.holds, self._copy_out, self._release = [], (), None, None
             if self.error is not None:
                 raise self.error
 
