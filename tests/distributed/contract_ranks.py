@@ -209,12 +209,68 @@ def cases(rank: int, world: int, groups: dict[str, Any]) -> dict[str, Callable[[
         dist.barrier(group=first, async_op=True).wait()
         return {"passed": True}
 
+    def sends_and_receives_on_views_of_one_buffer() -> dict:
+        # Two batches on disjoint halves of one buffer: neither waits for the other, as plain ones do not.
+        buffer = data(rank, (8,), torch.float32, 24)
+        sends = dist.batch_isend_irecv([dist.P2POp(dist.isend, buffer[:4], (rank + 1) % world, group=first)])
+        receives = dist.batch_isend_irecv([dist.P2POp(dist.irecv, buffer[4:], (rank - 1) % world, group=first)])
+        for work in sends + receives:
+            work.wait()
+        return {"buffer": buffer}
+
+    def two_groups_on_disjoint_views_in_either_order() -> dict:
+        # gloo orders calls within a group only: rank 0 enters the groups in the other order.
+        buffer = data(rank, (8,), torch.float32, 25)
+        if rank == 0:
+            work = dist.all_reduce(buffer[:4], group=first, async_op=True)
+            dist.all_reduce(buffer[4:], group=second)
+            work.wait()
+        else:
+            dist.all_reduce(buffer[4:], group=second)
+            dist.all_reduce(buffer[:4], group=first)
+        return {"buffer": buffer}
+
+    def barrier_after_a_send() -> dict:
+        # gloo's barrier does not wait for point-to-point work: rank 1 receives only after the barrier.
+        tensor = data(rank, (4,), torch.float32, 26)
+        if rank == 0:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, 1, group=first)])
+            dist.barrier(group=first)
+            for work in works:
+                work.wait()
+        else:
+            dist.barrier(group=first)
+            if rank == 1:
+                for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, 0, group=first)]):
+                    work.wait()
+        return {"tensor": tensor}
+
+    def wait_that_times_out_then_succeeds() -> dict:
+        # Rank 0 gives up waiting once, runs another collective, then waits again; its peers arrive late.
+        tensor, other = data(rank, (4,), torch.float32, 27), data(rank, (4,), torch.float32, 28)
+        if rank == 0:
+            work = dist.all_reduce(tensor, group=first, async_op=True)
+            try:
+                work.wait(timedelta(milliseconds=200))
+                first_wait = "completed"
+            except RuntimeError:
+                first_wait = "timed out"
+            dist.all_reduce(other, group=first)
+            work.wait()
+        else:
+            time.sleep(1.0)
+            dist.all_reduce(tensor, group=first)
+            dist.all_reduce(other, group=first)
+            first_wait = None
+        return {"tensor": tensor, "other": other, "first_wait": first_wait}
+
     return {fn.__name__: fn for fn in (
         outside_group_sync, outside_group_async, coalesced, transposed_sum, strided_with_gaps, saved_for_backward,
         flat_output_2d_input, flat_output_0d_input, stacked_output, dropped_works, object_collectives,
         dropped_work_then_another_group, gather_output_saved_for_backward, bool_sum, conjugated_complex,
         p2p_as_a_tuple, all_to_all_in_place, chained_on_one_tensor, average_saved_for_backward, average_of_integers,
-        barrier_after_async_work, barrier_with_a_timeout_on_one_rank,
+        barrier_after_async_work, barrier_with_a_timeout_on_one_rank, sends_and_receives_on_views_of_one_buffer,
+        two_groups_on_disjoint_views_in_either_order, barrier_after_a_send, wait_that_times_out_then_succeeds,
     )}  # fmt: skip
 
 
@@ -300,9 +356,9 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     recorder = BackendRecorder(layer)
     if rank == 0:
         time.sleep(1.0)
-    started = time.monotonic()
+    arrived = time.time()  # one clock for every rank on this machine
     dist.barrier()
-    report["barrier"] = {"waited_s": time.monotonic() - started, "calls": [name for name, _ in recorder.take()]}
+    report["barrier"] = {"arrived": arrived, "left": time.time(), "calls": [name for name, _ in recorder.take()]}
 
     # A barrier on a rank that gets no workspace (a new group's first call, its allocator failing on rank 1).
     from vllm_omni.distributed import collective_workspaces

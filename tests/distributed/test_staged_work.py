@@ -85,6 +85,34 @@ def test_a_call_on_the_storage_of_a_work_in_flight_finishes_that_work_first():
     assert work.wait() and backend.waits == 1
 
 
+def test_calls_on_disjoint_views_of_one_buffer_are_independent_and_sparse_tensors_are_no_obstacle():
+    layer, backend, buffer = PersistentCollectives("cpu", {}), _BackendWork(), torch.ones(8)
+    work, events = _staged(backend, layer, touches=(buffer[:4],))
+    layer.settle((buffer[4:], torch.eye(3).to_sparse()))
+    assert events == [] and backend.waits == 0
+    layer.settle((buffer[2:6],))
+    assert events == ["copied out", "released"]
+
+
+def test_a_barrier_does_not_wait_for_point_to_point_batches_in_flight():
+    layer, group, backend = PersistentCollectives("cpu", {}), object(), _BackendWork()
+    events: list[str] = []
+    completion = Completion([backend], lambda: events.append("copied out"), lambda: events.append("released"))
+    layer.track(completion, group, (), collective=False)
+    layer.settle(group=group)
+    assert events == [] and backend.waits == 0  # gloo's barrier does not wait for sends and receives either
+
+
+def test_a_wait_that_times_out_keeps_the_workspace_busy_and_a_later_wait_finishes():
+    backend = _BackendWork(RuntimeError("stand-in: wait timed out"))
+    work, events = _staged(backend, PersistentCollectives("cpu", {}))
+    with pytest.raises(RuntimeError, match="timed out"):
+        work.wait()
+    assert events == []  # the backend still writes the workspace: neither copied out nor released
+    backend.error, backend.completed = None, True
+    assert work.wait() and events == ["copied out", "released"]
+
+
 def test_a_barrier_finishes_the_works_in_flight_on_its_group_and_no_others():
     layer, group, other = PersistentCollectives("cpu", {}), object(), object()
     mine, theirs = _BackendWork(), _BackendWork()

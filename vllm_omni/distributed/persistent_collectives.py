@@ -85,11 +85,15 @@ class _Stage:
 
 @dataclass
 class _InFlight:
-    """An asynchronous staged call not yet finished: its group, the storages it writes or reads, its completion."""
+    """An asynchronous staged call not yet finished: its group, the bytes it reads or writes, its completion.
+
+    ``collective`` is false for a point-to-point batch, which a barrier does not wait for (nor does gloo's).
+    """
 
     group: Any
-    storages: frozenset[int]
+    spans: tuple[tuple[int, int], ...]
     completion: Completion
+    collective: bool
 
 
 def _copy_back(destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -119,12 +123,22 @@ def _open(group: Any) -> bool:
         return False
 
 
-def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
-
-
 def _same_storage(first: torch.Tensor, second: torch.Tensor) -> bool:
-    return _storage(first) == _storage(second)
+    return first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+
+
+def _spans(tensors: tuple[Any, ...]) -> tuple[tuple[int, int], ...]:
+    """The address range each strided tensor's elements lie in (views of one buffer that do not meet, apart)."""
+    spans = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.numel() > 0:
+            last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+            spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
+    return tuple(spans)
+
+
+def _meet(first: tuple[tuple[int, int], ...], second: tuple[tuple[int, int], ...]) -> bool:
+    return any(a < d and c < b for a, b in first for c, d in second)
 
 
 def _default(group: Any) -> Any:
@@ -234,28 +248,28 @@ class PersistentCollectives:
         """A ``StagedWork`` was collected: its collective is finished later, once the backend has (never block here)."""
         completion.dropped = True
 
-    def track(self, completion: Completion, group: Any, touches: tuple[torch.Tensor, ...]) -> None:
+    def track(self, completion: Completion, group: Any, touches: tuple[Any, ...], collective: bool = True) -> None:
         """Keep an asynchronous staged call until it is finished: later calls may have to finish it first."""
         with self._lock:
-            self._in_flight.append(_InFlight(group, frozenset(_storage(t) for t in touches), completion))
+            self._in_flight.append(_InFlight(group, _spans(touches), completion, collective))
 
     def settle(self, touches: tuple[torch.Tensor, ...] = (), group: Any = None) -> None:
         """Finish the asynchronous staged calls a new call must follow, as the plain collectives are ordered.
 
-        Those on a storage of ``touches``; every one of ``group`` (a barrier's: gloo's waits for its group's earlier
-        work); and dropped ones the backend has completed, never blocking for those. An error stays with its work,
-        for its ``wait()`` to raise.
+        Those on bytes that ``touches`` also reads or writes; every collective of ``group`` (a barrier's: gloo's
+        waits for its group's earlier collectives); and dropped ones the backend has completed, never blocking for
+        those. An error stays with its work, for its ``wait()`` to raise.
         """
         if not self._in_flight:
             return
-        storages = {_storage(t) for t in touches if isinstance(t, torch.Tensor)}
+        spans = _spans(touches)
         with self._lock:
             self._in_flight = [f for f in self._in_flight if not f.completion.done]
             due = [
                 f
                 for f in self._in_flight
-                if f.storages & storages
-                or (group is not None and f.group is group)
+                if _meet(f.spans, spans)
+                or (group is not None and f.group is group and f.collective)
                 or (f.completion.dropped and f.completion.ready())
             ]
         for flight in due:
@@ -310,7 +324,7 @@ class PersistentCollectives:
             return work
         works = work if isinstance(work, list) else [work]
         completion = Completion(works, copy_out, lambda: pool.release(workspace), stage.touches)
-        self.track(completion, _default(stage.group), stage.touches)
+        self.track(completion, _default(stage.group), stage.touches, collective=not isinstance(work, list))
         if isinstance(work, list):  # batch_isend_irecv: a Work per op, or one for the coalesced batch
             return [StagedWork(completion, self.adopt) for _ in work]
         return StagedWork(completion, self.adopt)

@@ -17,7 +17,7 @@ _SWITCH = "VLLM_OMNI_PERSISTENT_COLLECTIVES=0"  # how a caller who needs the pla
 
 
 class Completion:
-    """Waits for a staged collective's works exactly once (gloo cannot wait on a send twice), then finishes it.
+    """Waits for each of a staged collective's works once (gloo cannot wait on a send twice), then finishes it.
 
     Until then it holds the caller's tensors (``holds``), as a backend's ``Work`` holds its own: their storages
     cannot be freed and reused by a later call while this one is in flight. Once finished it holds nothing:
@@ -44,20 +44,29 @@ class Completion:
         return self.done or all(work.is_completed() for work in self.works)
 
     def wait(self, *args: Any, **kwargs: Any) -> None:
+        """Raises what a work's ``wait`` raised. A timeout leaves the call in flight, its workspace busy, and a
+        later ``wait()`` goes on from the work it stopped at, as a plain ``Work`` may be waited again."""
         with self._lock:
             if not self.done:
-                self.done = True
                 try:
-                    for work in self.works:
-                        work.wait(*args, **kwargs)
+                    while self.works:
+                        self.works[0].wait(*args, **kwargs)
+                        self.works.pop(0)
                     self._copy_out()
                 except BaseException as error:
+                    if self.works and not self.works[0].is_completed():
+                        raise  # still running on the workspace: not finished, not freed
                     self.error = error
                 finally:
-                    self._release()
-                    self.works, self.holds, self._copy_out, self._release = [], (), None, None
+                    if self.error is not None or not self.works:
+                        self._finish()
             if self.error is not None:
                 raise self.error
+
+    def _finish(self) -> None:
+        self.done = True
+        self._release()
+        self.works, self.holds, self._copy_out, self._release = [], (), None, None
 
 
 class StagedWork(dist.Work):
