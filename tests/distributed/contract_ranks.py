@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.distributed.layer_ranks import BackendRecorder, bits, data, one_rank_cannot_allocate
+from tests.distributed.layer_ranks import BackendRecorder, allocator_raises, bits, data, one_rank_cannot_allocate
 
 
 def observe(case: Callable[[], Any]) -> dict[str, Any]:
@@ -361,17 +361,10 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     report["barrier"] = {"arrived": arrived, "left": time.time(), "calls": [name for name, _ in recorder.take()]}
 
     # A barrier on a rank that gets no workspace (a new group's first call, its allocator failing on rank 1).
-    from vllm_omni.distributed import collective_workspaces
-
     fresh = dist.new_group(list(range(world)), timeout=short)
-    real_allocate = collective_workspaces.allocate_bytes
-    if rank == 1:
-        collective_workspaces.allocate_bytes = lambda *args: (_ for _ in ()).throw(cpu_allocator_error)
     before = layer.stats()["fallbacks"]
-    try:
+    with allocator_raises(cpu_allocator_error, failing=rank == 1):
         report["barrier_without_workspace"] = observe(lambda: {"returned": dist.barrier(group=fresh)})
-    finally:
-        collective_workspaces.allocate_bytes = real_allocate
     report["barrier_without_workspace"]["fallbacks"] = layer.stats()["fallbacks"] - before
     report["barrier_without_workspace"]["calls"] = [name for name, _ in recorder.take()]
     recorder.close()

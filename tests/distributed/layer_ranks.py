@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -123,24 +124,31 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
     )}  # fmt: skip
 
 
-def one_rank_cannot_allocate(rank: int, world: int, layer: Any, error: BaseException) -> dict[str, Any]:
-    """Rank 1's allocator raises ``error`` for three all-reduces; what every rank then holds and counted."""
+@contextlib.contextmanager
+def allocator_raises(error: BaseException, failing: bool) -> Iterator[None]:
+    """Within, the workspaces' allocator raises ``error`` on this rank if ``failing``."""
     from vllm_omni.distributed import collective_workspaces
 
     real_allocate = collective_workspaces.allocate_bytes
 
-    def failing(*args, **kwargs):
+    def raising(*args, **kwargs):
         raise error
 
-    before = layer.stats()["fallbacks"]
-    if rank == 1:
-        collective_workspaces.allocate_bytes = failing
+    if failing:
+        collective_workspaces.allocate_bytes = raising
     try:
+        yield
+    finally:
+        collective_workspaces.allocate_bytes = real_allocate
+
+
+def one_rank_cannot_allocate(rank: int, world: int, layer: Any, error: BaseException) -> dict[str, Any]:
+    """Rank 1's allocator raises ``error`` for three all-reduces; what every rank then holds and counted."""
+    before = layer.stats()["fallbacks"]
+    with allocator_raises(error, failing=rank == 1):
         big = [torch.full((1 << 16,), float(rank + call)) for call in range(3)]
         for tensor in big:
             dist.all_reduce(tensor)
-    finally:
-        collective_workspaces.allocate_bytes = real_allocate
     return {
         "values": [float(t[0]) for t in big],
         "expected": [float(sum(r + call for r in range(world))) for call in range(3)],

@@ -69,8 +69,8 @@ def switch_mode() -> str:
 class _Stage:
     """How one call goes through a workspace: what to carve, copy in, run on it, and copy out.
 
-    ``touches`` are the caller's tensors: an asynchronous call still in flight on any of their storages is finished
-    first, since the plain collectives on one tensor act in the order they were issued.
+    ``touches`` are the caller's tensors: an asynchronous call still in flight on any of their bytes is finished
+    first, so that calls on one tensor act in the order they were issued.
     """
 
     regions: list[Region]
@@ -322,10 +322,10 @@ class PersistentCollectives:
             finally:
                 pool.release(workspace)
             return work
-        works = work if isinstance(work, list) else [work]
-        completion = Completion(works, copy_out, lambda: pool.release(workspace), stage.touches)
-        self.track(completion, _default(stage.group), stage.touches, collective=not isinstance(work, list))
-        if isinstance(work, list):  # batch_isend_irecv: a Work per op, or one for the coalesced batch
+        batch = isinstance(work, list)  # batch_isend_irecv: a Work per op, or one for the coalesced batch
+        completion = Completion(work if batch else [work], copy_out, lambda: pool.release(workspace), stage.touches)
+        self.track(completion, _default(stage.group), stage.touches, collective=not batch)
+        if batch:
             return [StagedWork(completion, self.adopt) for _ in work]
         return StagedWork(completion, self.adopt)
 
@@ -550,7 +550,7 @@ def installed() -> PersistentCollectives | None:
 
 
 def _group_name(group: Any) -> str:
-    return fc._resolve_group_name(group if group is not None else dist.group.WORLD)
+    return fc._resolve_group_name(_default(group))
 
 
 _calling = threading.local()  # set while the layer runs a call: torch's own functions reach it again from inside
