@@ -199,6 +199,20 @@ def compile_summary(runs: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     return {run: [{"rank": r["rank"], **r["compile"][-1]} for r in data["ranks"]] for run, data in runs.items()}
 
 
+def unmanaged_sites(runs: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """Per run, every site where a request handed a device group's backend anything but persistent blocks: calls,
+    over every rank and request. Empty for the whole-request fix; a new direct call shows up here."""
+    found: dict[str, dict[str, int]] = {}
+    for name, run in runs.items():
+        sites: dict[str, int] = {}
+        for rank in run["ranks"]:
+            for request in rank["requests"]:
+                for site, calls in request["unmanaged_sites"].items():
+                    sites[site] = sites.get(site, 0) + calls
+        found[name] = dict(sorted(sites.items()))
+    return found
+
+
 def format_compile(summary: dict[str, Any]) -> list[str]:
     lines = []
     for run, ranks in summary["compile"].items():
@@ -214,7 +228,7 @@ def layer_per_request(rank: dict[str, Any]) -> list[dict[str, int]]:
         if snapshot is None:
             return []
         row = dict(snapshot)
-        for key in ("staged_calls", "copied_bytes", "passed_through", "fallbacks", "workspace_allocations"):
+        for key in ("staged_calls", "fallbacks", "block_allocations"):
             row[key] = snapshot[key] - (previous[key] if previous else 0)
         rows.append(row)
         previous = snapshot
@@ -279,6 +293,11 @@ def format_table(summary: dict[str, Any]) -> str:
             counts = f"{request['releases']} release(s), {request['barrier_temps']} barrier temp(s)"
             text.append(f"{fix}, request {index}: {counts}; {timeline}")
     text += ["", *format_compile(summary)]
+    text.append("")
+    text.append("unmanaged sites (a device group's backend handed anything but persistent blocks), every rank:")
+    for run, sites in summary["unmanaged_sites"].items():
+        text.append(f"{run:>7}: {sum(sites.values())} call(s) at {len(sites)} site(s)")
+        text += [f"         {calls:5d} x {site}" for site, calls in sites.items()] if run == "whole" else []
     text += ["", *format_layer(summary), "", *format_memory(summary), "", *format_timing(summary)]
     proj = summary["projection"]
     if proj is not None:
@@ -307,7 +326,7 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def format_layer(summary: dict[str, Any]) -> list[str]:
     """The layer's own figures per rank and request, for the runs that have it."""
-    lines = [["run", "req", "rank", "resident MiB", "workspaces", "allocs", "staged", "copied MiB", "fallbacks"]]
+    lines = [["run", "req", "rank", "resident MiB", "blocks", "allocs", "staged", "fallbacks"]]
     for fix, run in summary["runs"].items():
         for rank in run["ranks"]:
             for index, row in enumerate(layer_per_request(rank), start=1):
@@ -317,16 +336,15 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
                         str(index),
                         str(rank["rank"]),
                         f"{row['resident_bytes'] / MIB:.2f}",
-                        str(row["workspaces"]),
-                        str(row["workspace_allocations"]),
+                        str(row["blocks"]),
+                        str(row["block_allocations"]),
                         str(row["staged_calls"]),
-                        f"{row['copied_bytes'] / MIB:.2f}",
                         str(row["fallbacks"]),
                     ]
                 )
     if len(lines) == 1:
         return []
-    return ["persistent-collectives layer, per rank and request (resident: as it stands after the request)"] + (
+    return ["persistent collectives, per rank and request (resident: as it stands after the request)"] + (
         report.align(lines)
     )
 
@@ -526,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "media_identical": len({tuple(run["media_sha256"]) for run in runs.values()}) == 1,
         "compile": compile_summary(runs),
+        "unmanaged_sites": unmanaged_sites(runs),
         "memory_growth": memory_growth(runs),
         "paired_timing": paired_timing(runs) if side_by_side else None,
         # The books of the run with the fix off carry every collective's plain shape.

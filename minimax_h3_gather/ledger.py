@@ -16,12 +16,11 @@ flat buffer on every call, and ``barrier`` all-reduces a new 4-byte device tenso
 oneCCL registers that 4-byte tensor is not known, so barrier temps are counted apart from registrations.
 
 Watched: the functions in ``COLLECTIVES`` as callers reach them through ``torch.distributed`` and as the
-object collectives reach them through ``distributed_c10d`` (their sites name the object collective); where
-the persistent-collectives layer is installed, below it, so that what is counted is what the backend is
-handed (its workspaces), never what callers pass in. Inside ``torch.compile``d code, where Dynamo would turn a
-plain collective into a functional one that no Python wrapper sees at run time, the ledger routes it through
-the layer's opaque custom ops, which reach the (unstaged) collective at run time, where it is counted: with
-the layer off and on, the compiled graphs are then the same, and only the staging differs. Not seen: calls
+object collectives reach them through ``distributed_c10d`` (their sites name the object collective). The
+persistent collectives call those same functions with their blocks, so what is counted is what the backend is
+handed. Compiled code reaches the coordinator's collectives through vLLM-Omni's opaque ops, whose kernels call
+them at run time, where they are counted. A call on a device group that hands the backend anything but
+persistent blocks is an *unmanaged site*: where a new direct call would slip past the fix. Not seen: calls
 made on a ``ProcessGroup`` directly. An error in the ledger's own bookkeeping is logged once and never
 raised, so the collective it watches always runs.
 """
@@ -41,10 +40,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from torch._dynamo.eval_frame import skip_code
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import persistent_collectives
+from vllm_omni.distributed import managed_distributed, persistent_collectives
+from vllm_omni.distributed.collective_workspaces import is_persistent
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
@@ -75,7 +74,27 @@ _SKIP_FILES = (
     str(Path(torch._dynamo.__file__).parent),  # the frames of torch._dynamo.disable
     __file__,
     persistent_collectives.__file__,
+    managed_distributed.__file__,
 )
+# Where each collective takes its group, by position (keyword "group" otherwise); a p2p batch's is its ops'.
+_GROUP_AT = {
+    "all_reduce": 2,
+    "broadcast": 2,
+    "all_gather": 2,
+    "all_gather_into_tensor": 2,
+    "all_gather_single": 2,
+    "all_to_all": 2,
+    "all_to_all_single": 4,
+    "gather": 3,
+    "scatter": 3,
+    "reduce": 3,
+    "reduce_scatter": 3,
+    "reduce_scatter_tensor": 3,
+    "reduce_scatter_single": 3,
+    "barrier": 0,
+    "send": 2,
+    "recv": 2,
+}
 OBJECT_COLLECTIVES = (
     "broadcast_object_list",
     "all_gather_object",
@@ -121,6 +140,7 @@ class RequestReport:
     timeline: list[str] = field(default_factory=list)  # components in call order, "release" between windows
     books: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # component -> site -> SiteBooks
     bookkeeping_errors: int = 0  # calls the ledger could not book, since it started
+    unmanaged_sites: dict[str, int] = field(default_factory=dict)  # site -> calls on a device group, no blocks
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -178,6 +198,23 @@ def _buffers(name: str, args: tuple, kwargs: dict) -> tuple[list[torch.Tensor], 
     return [], [], 0
 
 
+def _group(name: str, args: tuple, kwargs: dict) -> Any:
+    if name == "batch_isend_irecv":
+        ops = list(args[0] if args else kwargs.get("p2p_op_list") or [])
+        return ops[0].group if ops else None
+    at = _GROUP_AT.get(name)
+    return args[at] if at is not None and len(args) > at else kwargs.get("group")
+
+
+def _managed(name: str, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> bool:
+    """On a CPU group (control plane), or handing the backend only persistent blocks (never a barrier's temp)."""
+    group = _group(name, args, kwargs)
+    if group is not None and persistent_collectives.cpu_twin(group) is group:
+        return True
+    hidden_temp = name in ("barrier", "all_gather")  # XCCL's barrier and list gather make tensors of their own
+    return not hidden_temp and bool(tensors) and all(is_persistent(t) for t in tensors)
+
+
 class CollectiveLedger:
     """Context manager that sees every collective in the process; ``end_request()`` closes one request's books."""
 
@@ -212,6 +249,7 @@ class CollectiveLedger:
         self._releases = 0
         self._timeline: list[str] = []
         self._books: dict[str, dict[str, SiteBooks]] = defaultdict(lambda: defaultdict(SiteBooks))
+        self._unmanaged: Counter[str] = Counter()
 
     @property
     def active(self) -> bool:
@@ -220,14 +258,7 @@ class CollectiveLedger:
     def __enter__(self) -> CollectiveLedger:
         if self._restore:
             raise RuntimeError("CollectiveLedger is already active")
-        layer = persistent_collectives.installed()
-        below = layer.plain if layer is not None else {}
         for name in COLLECTIVES:
-            if name in below:  # the layer's way to the backend
-                original = below[name]
-                below[name] = self._wrap(name, original)
-                self._restore.append(functools.partial(below.__setitem__, name, original))
-                continue
             wrapped = self._wrap(name, getattr(dist, name))
             for namespace in (dist, c10d):  # callers reach the first, the object collectives the second
                 self._restore.append(functools.partial(setattr, namespace, name, getattr(namespace, name)))
@@ -240,6 +271,7 @@ class CollectiveLedger:
         self._restore.clear()
 
     def _wrap(self, name: str, original: Any) -> Any:
+        @functools.wraps(original)  # keeps __name__: P2POp.op is read by name
         @torch._dynamo.disable
         def observed(*args: Any, **kwargs: Any) -> Any:
             if self._depth == 0:  # a collective implemented through another one is counted once
@@ -250,16 +282,7 @@ class CollectiveLedger:
             finally:
                 self._depth -= 1
 
-        traced = persistent_collectives.STAGED.get(name, original)
-
-        def collective(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():  # an opaque op that calls this wrapper again at run time
-                return traced(*args, **kwargs)
-            return observed(*args, **kwargs)
-
-        skip_code(collective.__code__)  # after a graph break at a collective, run as the plain one would be
-        functools.update_wrapper(collective, original)  # keeps __name__: P2POp.op is read by name
-        return collective
+        return observed
 
     def mark_release(self) -> None:
         """Where an accelerator run would release cached memory: buffers seen before now count as survivors."""
@@ -288,10 +311,12 @@ class CollectiveLedger:
             self._timeline.append(component)
         books = self._books[component][site]
         books.calls += 1
+        sends, recvs, hidden_bytes = _buffers(name, args, kwargs)
+        if not _managed(name, args, kwargs, sends + recvs):
+            self._unmanaged[site] += 1
         if name == "barrier":
             self._barriers += 1
             return
-        sends, recvs, hidden_bytes = _buffers(name, args, kwargs)
         books.bytes_sent += sum(t.nbytes for t in sends)
         books.bytes_received += sum(t.nbytes for t in recvs) + hidden_bytes
         for tensor in sends[:1] + recvs[:1]:
@@ -349,6 +374,7 @@ class CollectiveLedger:
             timeline=list(self._timeline),
             books={c: {site: asdict(b) for site, b in sites.items()} for c, sites in self._books.items()},
             bookkeeping_errors=self.bookkeeping_errors,
+            unmanaged_sites=dict(self._unmanaged),
         )
         self.requests.append(report)
         self._reset_request()

@@ -2,11 +2,11 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """``vllm_omni.general_plugins`` entry point: the released vLLM-Omni gets both fixes where upstream makes them.
 
-Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)`` and the diffusion
-worker installs the persistent-collectives layer once its process groups are up. A released vLLM-Omni does
-neither, so this plugin makes the two calls at those points. vLLM-Omni loads it in every process (API server,
-LLM stages, workers of any model), so it only hooks: each class is patched when its module is loaded, and a
-process that never sets up a diffusion worker or a MiniMax-H3 adapter is left untouched.
+Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)`` and
+``scope_checkpoint_collectives(self)``, and the request path's collectives go through the platform's (patch
+0002). vLLM-Omni loads this plugin in every process (API server, LLM stages, workers of any model), so it only
+hooks: the adapter when its module is loaded, and the request path (``request_path``) when a diffusion worker
+starts setting up its device. Any other process is left untouched.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from types import ModuleType
 
 from vllm.logger import init_logger
 
+from . import request_path
 from .overlay import check_overlay, omni_version
 
 # Under vLLM-Omni's logger, so its handlers and level apply: a top-level name would drop the INFO line.
@@ -72,6 +73,7 @@ def hook_adapter(module: ModuleType) -> bool:
         # a rank that fails on its own (a bad switch value, no memory for the 28 KiB header buffer) must not come
         # up with the checkpoint's gather while its peers run this one; its start-up fails instead.
         vae_gather.install_tile_gather_reuse(self)
+        vae_gather.scope_checkpoint_collectives(self)
 
     setattr(__init__, _HOOK_MARK, True)
     adapter.__init__ = __init__
@@ -86,7 +88,7 @@ def hook_adapter(module: ModuleType) -> bool:
 
 
 def hook_worker(module: ModuleType) -> bool:
-    """Make ``DiffusionWorker.init_device`` end with the layer's install, once; returns whether it is hooked."""
+    """Make ``DiffusionWorker.init_device`` first hook the request path, once; returns whether it is hooked."""
     worker = getattr(module, "DiffusionWorker", None)
     original = getattr(worker, "init_device", None) if isinstance(worker, type) else None
     if not callable(original):
@@ -97,19 +99,34 @@ def hook_worker(module: ModuleType) -> bool:
 
     @functools.wraps(original)
     def init_device(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        # The process groups are up. Not guarded: a bad switch value fails every worker's start-up alike.
-        from vllm_omni.distributed.persistent_collectives import install_persistent_collectives
-
-        install_persistent_collectives()
-        return result
+        hook_request_path()  # before the process groups exist, so that every coordinator is registered
+        return original(self, *args, **kwargs)
 
     setattr(init_device, _WORKER_MARK, True)
     worker.init_device = init_device
     return True
 
 
-_HOOKS = {ADAPTER_MODULE: hook_adapter, WORKER_MODULE: hook_worker}
+def hook_request_path() -> None:
+    """In a diffusion worker: the coordinator, the platform and the request path's modules, now or when loaded."""
+    from vllm_omni.distributed.persistent_collectives import switch_mode
+
+    mode = switch_mode()
+    if request_path.COORDINATOR_MODULE in _HOOKS:
+        return
+    _HOOKS.update(request_path.HOOKS)
+    for name in request_path.HOOKS:
+        if (module := sys.modules.get(name)) is not None:
+            _hook_quietly(module)
+    logger.info(
+        "[PERSISTENT_COLLECTIVES] request path hooked in this diffusion worker (%s=%s, vllm-omni %s)",
+        request_path.persistent_collectives.SWITCH_ENV,
+        mode,
+        omni_version(),
+    )
+
+
+_HOOKS = {ADAPTER_MODULE: hook_adapter, WORKER_MODULE: hook_worker}  # grows by the request path's in a worker
 
 
 def _hook_quietly(module: ModuleType) -> None:

@@ -37,8 +37,8 @@ def use_working_tree() -> None:
     for pkg, directory, module in (
         (package, MODEL_DIR, "vae_gather"),
         (distributed, DISTRIBUTED_DIR, "collective_workspaces"),
-        (distributed, DISTRIBUTED_DIR, "staged_work"),
         (distributed, DISTRIBUTED_DIR, "persistent_collectives"),
+        (distributed, DISTRIBUTED_DIR, "managed_distributed"),
     ):
         if str(directory) not in pkg.__path__:
             pkg.__path__.insert(0, str(directory))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -23,7 +24,8 @@ import torch
 import torch.distributed as dist
 from vllm.logger import init_logger
 
-from vllm_omni.distributed.collective_workspaces import allocate_bytes, resolve_device, synchronize
+from vllm_omni.distributed import managed_distributed
+from vllm_omni.distributed.collective_workspaces import GrowOnlyBlock, allocate_bytes, resolve_device
 
 logger = init_logger(__name__)
 
@@ -67,35 +69,6 @@ def all_gather_in_place(output: torch.Tensor, rank: int, group: Any) -> None:
         return
     slot = output.numel() // group.size()
     dist.all_gather_single(output, output.narrow(0, rank * slot, slot), group=group)
-
-
-class TileGatherWorkspace:
-    """A grow-only byte block; it decides when memory is allocated, nothing else."""
-
-    def __init__(self) -> None:
-        self.block: torch.Tensor | None = None
-        self.allocs = 0
-
-    nbytes = property(lambda self: 0 if self.block is None else self.block.numel())
-    data_ptr = property(lambda self: 0 if self.block is None else self.block.data_ptr())
-
-    def ensure(self, nbytes: int, device: torch.device, group: Any) -> bool:
-        """Hold at least ``nbytes`` on ``device``; returns whether that took a new allocation."""
-        device = resolve_device(device)
-        if self.block is not None and self.block.device == device and self.block.numel() >= nbytes:
-            return False
-        self.drop()
-        self.block = allocate_bytes(nbytes, device, group)
-        self.allocs += 1
-        return True
-
-    def drop(self) -> None:
-        """Free the block once the device is done with it: old and new blocks never coexist."""
-        if self.block is not None:
-            # The previous gather's collective and copy-out were queued on the current stream; the host
-            # sync makes sure they finished before the block can be handed to another allocation.
-            synchronize(self.block.device)
-            self.block = None
 
 
 @dataclass(frozen=True)
@@ -200,7 +173,7 @@ class TileGatherReuse:
     def __init__(self, parallel_state: Callable[[], Mapping], device: torch.device) -> None:
         self._parallel_state = _weak(parallel_state)
         self.device = resolve_device(device)
-        self.workspace = TileGatherWorkspace()
+        self.workspace = GrowOnlyBlock()
         # Allocated now: no rank may need memory before the exchange that tells its peers it failed.
         self._headers = allocate_bytes(MAX_RANKS * _Header.WORDS * 8, self.device, None).view(torch.int64)
         self._hits = 0
@@ -342,3 +315,26 @@ def remove_tile_gather_reuse(adapter: Any) -> bool:
         gather.release()
         delattr(adapter.model, _GATHER_ATTR)
     return gather is not None
+
+
+def scope_checkpoint_collectives(adapter: Any) -> list[str]:
+    """Give the checkpoint's own modules vLLM-Omni's ``managed_distributed`` in place of ``torch.distributed``.
+
+    The checkpoint's per-clip ``barrier`` then all-reduces a persistent element where the platform keeps blocks,
+    instead of XCCL's new one per call. Only the modules beside the checkpoint's class are rebound, never
+    ``torch.distributed`` itself. Returns the rebound names, ``module.attribute``.
+    """
+    module = type(getattr(adapter, "model", None)).__module__
+    package = module.rpartition(".")[0]
+    if not package:
+        return []
+    bound = []
+    for name, loaded in list(sys.modules.items()):
+        if loaded is not None and name.startswith(f"{package}."):
+            for attribute, value in list(vars(loaded).items()):
+                if value is dist:
+                    setattr(loaded, attribute, managed_distributed)
+                    bound.append(f"{name}.{attribute}")
+    if bound:
+        logger.info("[H3_VAE_GATHER] checkpoint collectives scoped to managed_distributed: %s", ", ".join(bound))
+    return bound

@@ -1,0 +1,82 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""``torch.distributed`` as the request path's modules use it: ``from vllm_omni.distributed import
+managed_distributed as dist``.
+
+Their synchronous tensor collectives go through the platform's collectives (persistent blocks on XPU); with those
+on, object collectives run on the CPU group over the same ranks, as the diffusion worker's own do, so they need
+no device memory at all. Every other name, and any call outside that narrow contract (``async_op=True``, traced
+code, uneven list gathers), is ``torch.distributed``'s own, unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as _dist
+
+from .persistent_collectives import cpu_twin, platform_collectives
+
+
+def __getattr__(name: str):
+    return getattr(_dist, name)
+
+
+def _plain(async_op: bool = False) -> bool:
+    return async_op or torch.compiler.is_compiling()
+
+
+def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
+    if _plain(async_op):
+        return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    platform_collectives().all_reduce(tensor, group, op)
+
+
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    if _plain(async_op) or src is None:
+        return _dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+    platform_collectives().broadcast(tensor, src, group)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    if _plain(async_op) or any(t.shape != tensor.shape or t.dtype != tensor.dtype for t in tensor_list):
+        return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    stacked = tensor.new_empty((len(tensor_list) * tensor.numel(),))
+    platform_collectives().all_gather_into_tensor(stacked, tensor.reshape(-1), group)
+    for destination, part in zip(tensor_list, stacked.view(len(tensor_list), *tensor.shape), strict=True):
+        destination.copy_(part)
+
+
+def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    if _plain(async_op):
+        return _dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
+    platform_collectives().all_to_all_single(output, input, group, output_split_sizes, input_split_sizes)
+
+
+def batch_isend_irecv(p2p_op_list):
+    if torch.compiler.is_compiling():
+        return _dist.batch_isend_irecv(p2p_op_list)
+    return platform_collectives().batch_isend_irecv(p2p_op_list)
+
+
+def barrier(group=None, async_op=False, device_ids=None, timeout=None):
+    collectives = platform_collectives()
+    if _plain(async_op) or timeout is not None or not collectives.staged or cpu_twin(group) is group:
+        return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)
+    from vllm_omni.platforms import current_omni_platform
+
+    collectives.barrier(group, current_omni_platform.get_torch_device())
+
+
+def _object_group(group):
+    twin = cpu_twin(group) if platform_collectives().staged else None
+    return group if twin is None else twin
+
+
+def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+    twin = _object_group(group)
+    device = device if twin is group else None
+    return _dist.broadcast_object_list(object_list, src=src, group=twin, device=device, group_src=group_src)
+
+
+def all_gather_object(object_list, obj, group=None):
+    return _dist.all_gather_object(object_list, obj, group=_object_group(group))
