@@ -72,6 +72,7 @@ COLLECTIVES = (
 _SKIP_FILES = (
     str(Path(dist.__file__).parent),
     str(Path(torch._dynamo.__file__).parent),  # the frames of torch._dynamo.disable
+    str(Path(torch._library.__file__).parent),  # the kernel of an opaque op: its caller is the compiled frame
     __file__,
     persistent_collectives.__file__,
     managed_distributed.__file__,
@@ -206,11 +207,8 @@ def _group(name: str, args: tuple, kwargs: dict) -> Any:
     return args[at] if at is not None and len(args) > at else kwargs.get("group")
 
 
-def _managed(name: str, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> bool:
-    """On a CPU group (control plane), or handing the backend only persistent blocks (never a barrier's temp)."""
-    group = _group(name, args, kwargs)
-    if group is not None and persistent_collectives.cpu_twin(group) is group:
-        return True
+def _managed(name: str, tensors: list[torch.Tensor]) -> bool:
+    """Whether a call on a device group hands the backend only persistent blocks and no temp of its own."""
     hidden_temp = name in ("barrier", "all_gather")  # XCCL's barrier and list gather make tensors of their own
     return not hidden_temp and bool(tensors) and all(is_persistent(t) for t in tensors)
 
@@ -312,7 +310,10 @@ class CollectiveLedger:
         books = self._books[component][site]
         books.calls += 1
         sends, recvs, hidden_bytes = _buffers(name, args, kwargs)
-        if not _managed(name, args, kwargs, sends + recvs):
+        group = _group(name, args, kwargs)
+        if group is not None and persistent_collectives.cpu_twin(group) is group:
+            return  # the control plane's gloo group: no device backend, nothing it could register
+        if not _managed(name, sends + recvs):
             self._unmanaged[site] += 1
         if name == "barrier":
             self._barriers += 1

@@ -70,18 +70,22 @@ def hook_coordinator(module: ModuleType) -> bool:
     if wrong := {name: params for name, params in shapes.items() if params != _METHODS[name][1]}:
         logger.warning("[PERSISTENT_COLLECTIVES] GroupCoordinator has another shape %s; left as released", wrong)
         return False
-    original = cls.__init__
+    for coordinator in (c for c in vars(module).values() if isinstance(c, type) and issubclass(c, cls)):
+        if "__init__" in vars(coordinator):  # each __init__ of its own registers (the pipeline's calls no super)
+            coordinator.__init__ = _registering(coordinator.__init__)
+    for name, (function, _) in _METHODS.items():
+        setattr(cls, name, function)
+    return True
 
+
+def _registering(original):
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         persistent_collectives.register_coordinator(self)
 
     setattr(__init__, _MARK, True)
-    cls.__init__ = __init__
-    for name, (function, _) in _METHODS.items():
-        setattr(cls, name, function)
-    return True
+    return __init__
 
 
 def hook_platform(module: ModuleType) -> bool:

@@ -29,6 +29,7 @@ SCHEMA = {
         "runs",
         "media_identical",
         "compile",
+        "unmanaged_sites",
         "memory_growth",
         "paired_timing",
         "projection",
@@ -45,6 +46,7 @@ SCHEMA = {
         "new_by_site",
         "releases",
         "bookkeeping_errors",
+        "unmanaged_sites",
         "timeline",
         "books",
     },
@@ -135,15 +137,24 @@ def test_object_collectives_are_counted_by_call_site_and_staged_with_the_whole_f
                     assert site_books["fresh_buffers"] == 0, (rank, index, site)
 
 
-def test_the_layer_stops_allocating_after_request_1_and_never_falls_back(census):
+def test_the_persistent_collectives_stop_allocating_after_request_1_and_never_fall_back(census):
     for rank in census[2]["runs"]["whole"]["ranks"]:
         rows = census_bench.layer_per_request(rank)
-        assert len(rows) == REQUESTS and rows[0]["workspace_allocations"] > 0
-        assert [r["workspace_allocations"] for r in rows[1:]] == [0] * (REQUESTS - 1)
+        assert len(rows) == REQUESTS and rows[0]["block_allocations"] > 0
+        assert [r["block_allocations"] for r in rows[1:]] == [0] * (REQUESTS - 1)
         assert all(r["fallbacks"] == 0 and r["staged_calls"] > 0 and r["resident_bytes"] > 0 for r in rows)
-        assert all(r["copied_bytes"] > 0 for r in rows)  # 0.30.0's cancellation checks vary in number per request
     for fix in ("off", "vae"):
         assert all(census_bench.layer_per_request(r) == [] for r in census[2]["runs"][fix]["ranks"])
+
+
+def test_with_the_whole_fix_no_request_has_an_unmanaged_site_and_without_it_the_dit_and_barriers_are_some(census):
+    # The guard for new call sites: a collective on a device group that hands the backend anything but blocks.
+    summary = census[2]
+    assert summary["unmanaged_sites"]["whole"] == {}
+    assert all(request["unmanaged_sites"] == {} for _, _, request in _requests(census, "whole"))
+    for fix in ("off", "vae"):
+        ops = {site.split(" @ ")[0] for site in summary["unmanaged_sites"][fix]}
+        assert {"all_reduce", "barrier", "broadcast"} <= ops, (fix, ops)
 
 
 def test_dit_and_text_encoder_collectives_are_present_and_attributed_on_every_rank(census):
@@ -152,7 +163,7 @@ def test_dit_and_text_encoder_collectives_are_present_and_attributed_on_every_ra
             totals = census_bench.by_component(request)
             assert totals["dit"]["calls"] > 0 and totals["text_encoder"]["calls"] > 0, (fix, rank, index)
             dit_ops = {site.split(" @ ")[0] for site in request["books"]["dit"]}
-            assert {"all_reduce", "all_gather_into_tensor"} <= dit_ops
+            assert {"all_reduce", "all_gather_single"} <= dit_ops
             # Only request control outside the components: 0.30.0 all-reduces a cancellation flag per stage, and
             # its pipeline broadcasts Python objects (errors, media headers) that the census labels as such.
             for site, books in request["books"].get("other", {}).items():

@@ -209,4 +209,8 @@ def busy_block(rank: int, world: int) -> dict[str, Any]:
     before = block.block.clone()
     got = staged.all_reduce(tensor.clone(), None)
     want = pc.Collectives().all_reduce(tensor.clone(), None)
-    return {"equal": bits(got) == bits(want), "block_kept": torch.equal(before, block.block), "fallbacks": staged.fallbacks}
+    return {
+        "equal": bits(got) == bits(want),
+        "block_kept": torch.equal(before, block.block),
+        "fallbacks": staged.fallbacks,
+    }

@@ -88,28 +88,49 @@ def test_vllm_omni_loader_hooks_the_adapter_once_and_the_env_decides_the_install
     assert "(vllm-omni 0." in line
 
 
+_REQUEST_PATH = (
+    "vllm_omni.diffusion.distributed.comm",
+    "vllm_omni.diffusion.attention.parallel.ulysses",
+    "vllm_omni.diffusion.models.minimax_h3.pipeline_minimax_h3",
+)
+
+
+def _torch_distributed_names() -> dict[str, int]:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    return {f"{ns.__name__}.{name}": id(getattr(ns, name)) for ns in (dist, c10d) for name in dir(ns)}
+
+
 def _load_plugins_in_a_worker(rank: int, world: int, value: str) -> dict:
     """A diffusion worker's order: its module is imported, then the plugins load, then ``init_device`` runs."""
-    import torch.distributed as dist
+    import importlib
 
+    from vllm_omni.diffusion.distributed.group_coordinator import GroupCoordinator
     from vllm_omni.diffusion.worker import diffusion_worker
-    from vllm_omni.distributed.persistent_collectives import STAGED, SWITCH_ENV, installed
+    from vllm_omni.distributed import managed_distributed
+    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.platforms import current_omni_platform
     from vllm_omni.plugins import load_omni_general_plugins
 
+    before = _torch_distributed_names()
     # Stand-in for the device and process-group set-up (the gloo group is already up in this rank).
     diffusion_worker.DiffusionWorker.init_device = lambda self: "groups up"
     os.environ.pop("VLLM_PLUGINS", None)
-    os.environ[SWITCH_ENV] = value
+    os.environ[pc.SWITCH_ENV] = value
     try:
         load_omni_general_plugins()
     except ValueError as error:
         return {"error": str(error)}
-    before_init = installed() is not None
+    routed_before = GroupCoordinator.all_reduce is pc.coordinator_all_reduce
     returned = diffusion_worker.DiffusionWorker.init_device(object())
+    modules = [importlib.import_module(name) for name in _REQUEST_PATH]  # loaded after the hook: hooked on import
     return {
-        "installed_before_init_device": before_init,
-        "installed": installed() is not None,
-        "wrapped": dist.all_reduce is STAGED["all_reduce"],
+        "routed_before_init_device": routed_before,
+        "routed": GroupCoordinator.all_reduce is pc.coordinator_all_reduce,
+        "collectives": type(current_omni_platform.collectives()).__name__,
+        "modules_managed": [module.dist is managed_distributed for module in modules],
+        "torch_distributed_untouched": _torch_distributed_names() == before,
         "returned": returned,
     }
 
@@ -121,36 +142,40 @@ def worker_stack(monkeypatch):
     monkeypatch.setenv("VLLM_OMNI_CPU_TEST_PLATFORM", "1")
 
 
-@pytest.mark.parametrize(("value", "installed"), [("1", True), ("auto", False), ("0", False)])
-def test_the_plugin_installs_the_layer_when_a_diffusion_worker_sets_up_its_device_as_the_switch_says(
-    value, installed, worker_stack
+@pytest.mark.parametrize(
+    ("value", "collectives"),
+    [("1", "PersistentCollectives"), ("auto", "Collectives"), ("0", "Collectives")],
+)
+def test_a_diffusion_worker_routes_its_request_path_through_the_platform_and_the_switch_picks_the_buffers(
+    value, collectives, worker_stack
 ):
     (report,) = results_or_raise(run_ranks(_load_plugins_in_a_worker, 1, value), 1)
     assert report == {
-        "installed_before_init_device": False,
-        "installed": installed,
-        "wrapped": installed,
+        "routed_before_init_device": False,
+        "routed": True,
+        "collectives": collectives,  # auto: XPU only, and this is the CPU test platform
+        "modules_managed": [True] * len(_REQUEST_PATH),
+        "torch_distributed_untouched": True,  # not one torch.distributed or distributed_c10d name replaced
         "returned": "groups up",
     }
 
 
-def test_a_bad_layer_switch_fails_the_plugin_load_naming_the_value(worker_stack):
+def test_a_bad_switch_fails_the_plugin_load_naming_the_value(worker_stack):
     (report,) = results_or_raise(run_ranks(_load_plugins_in_a_worker, 1, "on"), 1)
     assert "VLLM_OMNI_PERSISTENT_COLLECTIVES='on' is not valid" in report["error"]
 
 
 _NOT_A_WORKER_PROCESS = """
 import json, sys
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
-before = {n: (getattr(dist, n), getattr(c10d, n)) for n in ("all_reduce", "broadcast", "barrier", "all_gather")}
+from tests.minimax_h3_gather.test_plugin import _torch_distributed_names
+before = _torch_distributed_names()
 from vllm_omni.plugins import load_omni_general_plugins
 load_omni_general_plugins()
-from vllm_omni.distributed.persistent_collectives import installed
-after = {n: (getattr(dist, n), getattr(c10d, n)) for n in before}
+from vllm_omni.diffusion.distributed.group_coordinator import GroupCoordinator
+from vllm_omni.distributed import persistent_collectives as pc
 print(json.dumps({
-    "untouched": after == before,
-    "installed": installed() is not None,
+    "untouched": _torch_distributed_names() == before,
+    "coordinator_released": GroupCoordinator.all_reduce is not pc.coordinator_all_reduce,
     "worker_imported": "vllm_omni.diffusion.worker.diffusion_worker" in sys.modules,
 }))
 """
@@ -166,10 +191,10 @@ def _fresh_process(code: str, **env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_loading_the_plugins_outside_a_diffusion_worker_leaves_torch_distributed_untouched():
-    # An API server or an LLM stage loads the same plugins; with the layer forced on, it still installs nothing.
+def test_loading_the_plugins_outside_a_diffusion_worker_leaves_the_coordinator_as_released():
+    # An API server or an LLM stage loads the same plugins; with the switch forced on, it still hooks nothing.
     report = _fresh_process(_NOT_A_WORKER_PROCESS, VLLM_OMNI_PERSISTENT_COLLECTIVES="1")
-    assert report == {"untouched": True, "installed": False, "worker_imported": False}
+    assert report == {"untouched": True, "coordinator_released": True, "worker_imported": False}
 
 
 def test_vllm_plugins_without_ours_leaves_the_adapter_untouched(component):

@@ -70,7 +70,7 @@ class Collectives:
         return tensor if out is None else out
 
     def all_gather_into_tensor(self, output, input, group) -> torch.Tensor:
-        dist.all_gather_into_tensor(output, input, group=group)
+        dist.all_gather_single(output, input, group=group)
         return output
 
     def broadcast(self, tensor, src, group) -> torch.Tensor:
@@ -177,7 +177,7 @@ class PersistentCollectives(Collectives):
             gathered = block.view((output.numel(),), output.dtype)
             mine = gathered.narrow(0, dist.get_rank(group) * input.numel(), input.numel())
             _write(mine.view(input.shape), input)
-            dist.all_gather_into_tensor(gathered, mine, group=group)  # in place: this rank's slot is the input
+            dist.all_gather_single(gathered, mine, group=group)  # in place: this rank's slot is the input
             _write(output, gathered.view(output.shape))
         finally:
             block.busy = False
@@ -331,8 +331,10 @@ def coordinator_all_reduce(self, input_: torch.Tensor, op=dist.ReduceOp.SUM) -> 
         return input_
     if torch.compiler.is_compiling():
         for reduce, name in _OP_NAMES:
-            if op == reduce:
+            if op == reduce and getattr(self, "collective_name", None) is not None:
                 return torch.ops.vllm_omni.all_reduce(input_, name, self.collective_name)
+        dist.all_reduce(input_, op=op, group=self.device_group)  # traced as torch traces it: no block
+        return input_
     return platform_collectives().all_reduce(input_, self.device_group, op)
 
 
@@ -346,7 +348,10 @@ def coordinator_all_gather(self, input_: torch.Tensor, dim: int = 0, separate_te
     if not -input_.dim() <= dim < input_.dim():
         raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(input_.shape)}")
     input_ = input_.contiguous()
-    if own and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and not (own and getattr(self, "collective_name", None) is not None):
+        stacked = input_.new_empty((world_size * input_.shape[0], *input_.shape[1:]))
+        dist.all_gather_into_tensor(stacked, input_, group=group)  # traced as torch traces it: no block
+    elif torch.compiler.is_compiling():
         stacked = torch.ops.vllm_omni.all_gather(input_, world_size, self.collective_name)
     else:
         stacked = input_.new_empty((world_size * input_.shape[0], *input_.shape[1:]))

@@ -1,0 +1,131 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""What each gloo rank runs for the coordinator tests: vLLM-Omni's own ``GroupCoordinator``, eager and compiled."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed.collective_ranks import bits, data
+
+SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
+
+
+def coordinator(rank: int, world: int) -> Any:
+    """A diffusion ``GroupCoordinator`` over every rank; on a released vLLM-Omni, hooked as the plugin does."""
+    from vllm_omni.diffusion.distributed import group_coordinator
+    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.platforms import interface
+
+    if group_coordinator.GroupCoordinator.all_reduce is not pc.coordinator_all_reduce:  # a release, not patch 0002
+        from minimax_h3_gather import request_path
+
+        assert request_path.hook_coordinator(group_coordinator) and request_path.hook_platform(interface)
+    return group_coordinator.GroupCoordinator([list(range(world))], rank, "gloo")
+
+
+def eager_checks(rank: int, world: int) -> dict[str, Any]:
+    from minimax_h3_gather.ledger import CollectiveLedger
+
+    group = coordinator(rank, world)
+    cases = {
+        "all_reduce": lambda: [group.all_reduce(data(rank, (6, 5), torch.bfloat16))],
+        "all_gather_dim0": lambda: [group.all_gather(data(rank, (3, 4), torch.float32))],
+        "all_gather_dim1": lambda: [group.all_gather(data(rank, (3, 4, 2), torch.float16), dim=1)],
+        "all_gather_dim-1": lambda: [group.all_gather(data(rank, (3, 4), torch.int64), dim=-1)],
+        "all_gather_separate": lambda: group.all_gather(data(rank, (2, 3), torch.float32), separate_tensors=True),
+        "broadcast": lambda: [group.broadcast(data(rank, (4, 4), torch.float32), src=world - 1)],
+    }
+    os.environ[SWITCH_ENV] = "0"
+    expected = {name: [bits(t) for t in case()] for name, case in cases.items()}
+    os.environ[SWITCH_ENV] = "1"
+    ledger = CollectiveLedger(limit=None)
+    with ledger:
+        got = {name: [bits(t) for t in case()] for name, case in cases.items()}
+        ledger.end_request()
+    # What the released coordinator returns, by its documented semantics: ranks' tensors concatenated along dim.
+    torch_oracle = torch.cat([data(r, (3, 4, 2), torch.float16) for r in range(world)], dim=1)
+    tensor = data(rank, (5,), torch.float32)
+    errors = {}
+    for name, call in {
+        "dim": lambda: group.all_gather(tensor, dim=1),
+        "src": lambda: group.broadcast(tensor, src=world),
+    }.items():
+        try:
+            call()
+        except ValueError as error:
+            errors[name] = str(error)
+    return {
+        "equal": {name: got[name] == expected[name] for name in cases},
+        "dim1_is_concatenation": got["all_gather_dim1"] == [bits(torch_oracle)],
+        "in_place": group.all_reduce(tensor) is tensor,
+        "unmanaged": ledger.requests[0].unmanaged_sites,
+        "registered": group.collective_name == group.device_group.group_name,
+        "errors": errors,
+    }
+
+
+class _Block(torch.nn.Module):
+    """A DiT block's tensor-parallel pattern: a row-parallel all-reduce, then a column-parallel gather."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+        self.linear = torch.nn.Linear(8, 8)
+        torch.nn.init.normal_(self.linear.weight, generator=torch.Generator().manual_seed(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reduced = self.group.all_reduce(self.linear(x))
+        return torch.nn.functional.gelu(self.group.all_gather(reduced, dim=-1)) * 2
+
+
+def compile_checks(rank: int, world: int) -> dict[str, Any]:
+    """Compiled as vLLM-Omni compiles the DiT on XPU (Inductor, dynamic shapes), whole-graph, in inference mode."""
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    from minimax_h3_gather.ledger import CollectiveLedger
+
+    torch._inductor.config.force_disable_caches = True  # a cached graph must not hide a regression
+    torch.set_num_threads(1)
+    block = _Block(coordinator(rank, world))
+    inputs = [data(rank, (rows, 8), torch.float32, salt=rows) for rows in (5, 9)]
+    report: dict[str, Any] = {}
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(block, backend=backend, dynamic=True, fullgraph=True)
+        runs = {}
+        for switch in ("0", "1"):
+            os.environ[SWITCH_ENV] = switch
+            ledger = CollectiveLedger(limit=None)
+            with torch.inference_mode(), ledger:
+                runs[switch] = [bits(compiled(x)) for x in inputs]
+                ledger.end_request()
+            (request,) = ledger.requests
+            runs[f"calls{switch}"] = request.calls
+            runs[f"unmanaged{switch}"] = sum(request.unmanaged_sites.values())
+        report[backend] = {
+            "equal": runs["0"] == runs["1"],
+            "graph_breaks": sum(counters["graph_break"].values()),
+            "calls": (runs["calls0"], runs["calls1"]),
+            "unmanaged": (runs["unmanaged0"], runs["unmanaged1"]),
+        }
+    os.environ[SWITCH_ENV] = "0"
+    with torch.inference_mode():
+        eager = [bits(block(x)) for x in inputs]
+    report["aot_eager_equals_eager"] = eager == _aot(block, inputs)
+    dist.barrier()
+    return report
+
+
+def _aot(block: torch.nn.Module, inputs: list[torch.Tensor]) -> list[bytes]:
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="aot_eager", dynamic=True, fullgraph=True)
+    os.environ[SWITCH_ENV] = "1"
+    with torch.inference_mode():
+        return [bits(compiled(x)) for x in inputs]

@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""vLLM-Omni's diffusion ``GroupCoordinator`` through the platform's collectives, on gloo ranks, eager and compiled.
+
+On a released vLLM-Omni the coordinator is hooked as the plugin hooks it; in a tree with patch 0002 it is its own.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import coordinator_ranks
+from tests.utils import results_or_raise, run_ranks
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+
+ENV = {"VLLM_OMNI_CPU_TEST_PLATFORM": "1"}  # the coordinator asks the platform for its device
+
+
+@pytest.fixture(scope="module")
+def eager():
+    return results_or_raise(run_ranks(coordinator_ranks.eager_checks, 4, timeout_s=600, env=ENV), 4)
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    return results_or_raise(run_ranks(coordinator_ranks.compile_checks, 2, timeout_s=900, env=ENV), 2)
+
+
+def test_every_collective_of_the_coordinator_gives_the_plain_bits_with_persistent_buffers(eager):
+    for report in eager:
+        assert all(report["equal"].values()), report["equal"]
+        assert report["dim1_is_concatenation"] and report["in_place"]
+
+
+def test_with_persistent_buffers_the_coordinator_hands_the_backend_only_blocks(eager):
+    assert all(report["unmanaged"] == {} for report in eager)
+
+
+def test_each_coordinator_is_registered_under_its_device_groups_name(eager):
+    assert all(report["registered"] for report in eager)
+
+
+def test_bad_arguments_raise_on_every_rank_before_any_collective_naming_the_value(eager):
+    for report in eager:
+        assert report["errors"] == {
+            "dim": "dim=1 is out of range for a tensor of shape (5,)",
+            "src": "src=4: expected a rank of this group, 0 <= src < 4",
+        }
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_whole_graph_the_coordinator_adds_no_graph_break_and_keeps_the_plain_bits(compiled, backend):
+    for report in compiled:
+        result = report[backend]
+        assert result["graph_breaks"] == 0 and result["equal"]
+        assert result["calls"][0] == result["calls"][1] > 0  # every compiled call reaches the backend, both ways
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_calls_reach_the_backend_through_blocks_only_when_the_switch_is_on(compiled, backend):
+    for report in compiled:
+        plain, staged = report[backend]["unmanaged"]
+        assert plain == report[backend]["calls"][0] and staged == 0
+
+
+def test_compiled_aot_eager_equals_the_eager_plain_module(compiled):
+    assert all(report["aot_eager_equals_eager"] for report in compiled)
