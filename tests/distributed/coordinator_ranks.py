@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.distributed.collective_ranks import bits, data
+from tests.distributed.collective_ranks import BackendRecorder, bits, data
 
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 
@@ -29,8 +29,6 @@ def coordinator(rank: int, world: int) -> Any:
 
 
 def eager_checks(rank: int, world: int) -> dict[str, Any]:
-    from minimax_h3_gather.ledger import CollectiveLedger
-
     group = coordinator(rank, world)
     cases = {
         "all_reduce": lambda: [group.all_reduce(data(rank, (6, 5), torch.bfloat16))],
@@ -43,10 +41,9 @@ def eager_checks(rank: int, world: int) -> dict[str, Any]:
     os.environ[SWITCH_ENV] = "0"
     expected = {name: [bits(t) for t in case()] for name, case in cases.items()}
     os.environ[SWITCH_ENV] = "1"
-    ledger = CollectiveLedger(limit=None)
-    with ledger:
+    recorder = BackendRecorder()
+    with recorder:
         got = {name: [bits(t) for t in case()] for name, case in cases.items()}
-        ledger.end_request()
     # What the released coordinator returns, by its documented semantics: ranks' tensors concatenated along dim.
     torch_oracle = torch.cat([data(r, (3, 4, 2), torch.float16) for r in range(world)], dim=1)
     tensor = data(rank, (5,), torch.float32)
@@ -63,7 +60,7 @@ def eager_checks(rank: int, world: int) -> dict[str, Any]:
         "equal": {name: got[name] == expected[name] for name in cases},
         "dim1_is_concatenation": got["all_gather_dim1"] == [bits(torch_oracle)],
         "in_place": group.all_reduce(tensor) is tensor,
-        "unmanaged": ledger.requests[0].unmanaged_sites,
+        "unmanaged": recorder.summary()[0]["unmanaged"],
         "registered": group.collective_name == group.device_group.group_name,
         "errors": errors,
     }
@@ -88,8 +85,6 @@ def compile_checks(rank: int, world: int) -> dict[str, Any]:
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
-    from minimax_h3_gather.ledger import CollectiveLedger
-
     torch._inductor.config.force_disable_caches = True  # a cached graph must not hide a regression
     torch.set_num_threads(1)
     block = _Block(coordinator(rank, world))
@@ -102,13 +97,12 @@ def compile_checks(rank: int, world: int) -> dict[str, Any]:
         runs = {}
         for switch in ("0", "1"):
             os.environ[SWITCH_ENV] = switch
-            ledger = CollectiveLedger(limit=None)
-            with torch.inference_mode(), ledger:
+            recorder = BackendRecorder()
+            with torch.inference_mode(), recorder:
                 runs[switch] = [bits(compiled(x)) for x in inputs]
-                ledger.end_request()
-            (request,) = ledger.requests
-            runs[f"calls{switch}"] = request.calls
-            runs[f"unmanaged{switch}"] = sum(request.unmanaged_sites.values())
+            (request,) = recorder.summary()
+            runs[f"calls{switch}"] = request["calls"]
+            runs[f"unmanaged{switch}"] = request["unmanaged"]
         report[backend] = {
             "equal": runs["0"] == runs["1"],
             "graph_breaks": sum(counters["graph_break"].values()),

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import collective_ranks
-from tests.utils import results_or_raise, run_ranks
+from tests.distributed.ranks import results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
 
 WORLD = 4
 KINDS = tuple(collective_ranks.kinds(0, WORLD, collective_ranks.DTYPES[0], 0))
+STAGED_NAMES = ("all_reduce", "all_gather_into_tensor", "broadcast", "all_to_all_single", "batch_isend_irecv", "barrier")
 
 
 @pytest.fixture(scope="module")
@@ -33,12 +34,12 @@ def test_from_the_second_request_on_the_backend_is_handed_no_new_buffer_and_only
     for rank, report in enumerate(reports):
         first, *later = report["staged_only"]
         assert first["fresh"] > 0 and [r["fresh"] for r in later] == [0, 0], rank
-        assert all(r["unmanaged"] == {} and r["barrier_temps"] == 0 for r in report["staged_only"]), rank
+        assert all(r["unmanaged"] == 0 and r["calls"] > 0 for r in report["staged_only"]), rank  # barrier too
         assert report["allocations_after_request_1"] == 0, rank
 
 
-def test_the_plain_path_hands_the_backend_the_callers_tensors_so_the_ledger_would_see_a_regression(reports):
-    # The oracle half of every request is plain: the same ledger counts it as unmanaged and fresh every request.
+def test_the_plain_path_hands_the_backend_the_callers_tensors_so_a_regression_would_show(reports):
+    # The oracle half of every request is plain: the same recorder counts it as unmanaged and fresh every request.
     for report in reports:
         assert all(r["unmanaged"] > 0 and r["fresh"] > 0 for r in report["requests"])
 
@@ -57,7 +58,8 @@ def test_a_rank_without_memory_runs_the_plain_collectives_alone_and_logs_each_ki
         assert fallback["equal"], rank  # every rank's results, the failing one's included, are the oracle's
         if rank == 1:
             assert fallback["fallbacks"] == len(KINDS) + 1  # and the barrier, which all-reduces a fresh element
-            assert len(fallback["warnings"]) == len(set(fallback["warnings"])) == len(KINDS)
+            names = sorted(warning.split()[1] for warning in fallback["warnings"])  # once per collective
+            assert names == sorted(STAGED_NAMES), fallback["warnings"]
             assert "no block of 140 bytes on cpu: injected" in fallback["warnings"][0]
         else:
             assert fallback["fallbacks"] == 0 and fallback["warnings"] == [], rank

@@ -1,0 +1,102 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""Start real ``torch.distributed`` ranks (gloo on CPU) as spawned processes and collect what each reports.
+
+Self-contained (torch only), so that the upstream patch carries it with the tests that use it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_entry(fn, rank, world_size, port, backend, pg_timeout_s, results, env, prepare, args) -> None:
+    os.environ.update(env)
+    import torch.distributed as dist
+
+    try:
+        if prepare is not None:
+            prepare()
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which decides
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 300.0,
+    pg_timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    prepare: Callable[[], None] | None = None,
+    backend: str = "gloo",
+) -> dict[int, tuple[str, Any]]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks joined in one process group.
+
+    Returns ``{rank: ("ok", result) | ("error", traceback)}`` for the ranks that reported within
+    ``timeout_s``; ranks still running then are killed and absent, so a hang shows as a missing rank.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_entry,
+            args=(fn, rank, world_size, port, backend, pg_timeout_s, results, dict(env or {}), prepare, args),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout_s
+    reported: dict[int, tuple[str, Any]] = {}
+    while len(reported) < world_size and time.monotonic() < deadline:
+        try:
+            rank, status, payload = results.get(timeout=1.0)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs) and results.empty():
+                break
+            continue
+        reported[rank] = (status, payload)
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return reported
+
+
+def results_or_raise(reported: dict[int, tuple[str, Any]], world_size: int) -> list[Any]:
+    """Every rank's result in rank order; raises with the tracebacks if any rank failed or never reported."""
+    problems = [f"rank {r}: no report (hung or crashed)" for r in range(world_size) if r not in reported]
+    problems += [f"rank {r} failed:\n{payload}" for r, (status, payload) in sorted(reported.items()) if status != "ok"]
+    if problems:
+        raise RuntimeError("\n".join(problems))
+    return [reported[r][1] for r in range(world_size)]
