@@ -188,7 +188,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     from vllm_omni.distributed import persistent_collectives as pc
 
     torch.set_num_threads(1)
-    plain, staged = pc.Collectives(), pc.PersistentCollectives()
+    plain, staged = pc.Collectives(persistent=False), pc.Collectives(persistent=True)
     report: dict[str, Any] = {"equal": {}, "aliases": [], "untouched": {}}
     recorder = BackendRecorder()
     with recorder:
@@ -238,7 +238,7 @@ def fallback_on_rank_one(rank: int, world: int) -> dict[str, Any]:
     from vllm_omni.distributed import persistent_collectives as pc
 
     warnings = _log_lines(pc.logger.name)
-    staged = pc.PersistentCollectives()
+    staged = pc.Collectives(persistent=True)
     real = collective_workspaces.allocate_bytes
 
     def failing(nbytes, device, group=None):
@@ -251,7 +251,7 @@ def fallback_on_rank_one(rank: int, world: int) -> dict[str, Any]:
         staged.barrier(None, torch.device("cpu"))
     finally:
         collective_workspaces.allocate_bytes = real
-    expected = [run(pc.Collectives()) for run in kinds(rank, world, torch.float32, 7).values()]
+    expected = [run(pc.Collectives(persistent=False)) for run in kinds(rank, world, torch.float32, 7).values()]
     return {
         "equal": [[bits(t) for t in got] for got in results] == [[bits(t) for t in want] for want in expected],
         "fallbacks": staged.fallbacks,
@@ -263,14 +263,14 @@ def busy_block(rank: int, world: int) -> dict[str, Any]:
     """A call that finds its block in use runs on the caller's tensors: same bits, nothing overwritten."""
     from vllm_omni.distributed import persistent_collectives as pc
 
-    staged = pc.PersistentCollectives()
+    staged = pc.Collectives(persistent=True)
     tensor = data(rank, (8,), torch.float32)
     staged.all_reduce(tensor.clone(), None)
     (block,) = staged.blocks()
     block.busy = True
     before = block.block.clone()
     got = staged.all_reduce(tensor.clone(), None)
-    want = pc.Collectives().all_reduce(tensor.clone(), None)
+    want = pc.Collectives(persistent=False).all_reduce(tensor.clone(), None)
     return {
         "equal": bits(got) == bits(want),
         "block_kept": torch.equal(before, block.block),

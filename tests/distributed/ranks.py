@@ -17,6 +17,9 @@ from datetime import timedelta
 from typing import Any
 
 
+PREPARE: Callable[[], None] | None = None  # run first in every rank unless a call names its own (a conftest sets it)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -61,6 +64,8 @@ def run_ranks(
     ``timeout_s``; ranks still running then are killed and absent, so a hang shows as a missing rank.
     """
     import torch.multiprocessing as mp
+
+    prepare = prepare if prepare is not None else PREPARE
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -16,7 +16,14 @@ pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, py
 
 WORLD = 4
 KINDS = tuple(collective_ranks.kinds(0, WORLD, collective_ranks.DTYPES[0], 0))
-STAGED_NAMES = ("all_reduce", "all_gather_into_tensor", "broadcast", "all_to_all_single", "batch_isend_irecv", "barrier")
+STAGED_NAMES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "broadcast",
+    "all_to_all_single",
+    "batch_isend_irecv",
+    "barrier",
+)
 
 
 @pytest.fixture(scope="module")

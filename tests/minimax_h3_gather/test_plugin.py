@@ -128,7 +128,7 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str) -> dict:
     return {
         "routed_before_init_device": routed_before,
         "routed": GroupCoordinator.all_reduce is pc.coordinator_all_reduce,
-        "collectives": type(current_omni_platform.collectives()).__name__,
+        "staged": current_omni_platform.collectives().staged,
         "modules_managed": [module.dist is managed_distributed for module in modules],
         "torch_distributed_untouched": _torch_distributed_names() == before,
         "returned": returned,
@@ -143,17 +143,17 @@ def worker_stack(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("value", "collectives"),
-    [("1", "PersistentCollectives"), ("auto", "Collectives"), ("0", "Collectives")],
+    ("value", "staged"),
+    [("1", True), ("auto", False), ("0", False)],
 )
 def test_a_diffusion_worker_routes_its_request_path_through_the_platform_and_the_switch_picks_the_buffers(
-    value, collectives, worker_stack
+    value, staged, worker_stack
 ):
     (report,) = results_or_raise(run_ranks(_load_plugins_in_a_worker, 1, value), 1)
     assert report == {
         "routed_before_init_device": False,
         "routed": True,
-        "collectives": collectives,  # auto: XPU only, and this is the CPU test platform
+        "staged": staged,  # auto: XPU only, and this is the CPU test platform
         "modules_managed": [True] * len(_REQUEST_PATH),
         "torch_distributed_untouched": True,  # not one torch.distributed or distributed_c10d name replaced
         "returned": "groups up",

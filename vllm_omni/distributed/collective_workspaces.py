@@ -9,7 +9,6 @@ collectives that use it live in ``persistent_collectives`` and the MiniMax-H3 ``
 
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import Any
 
@@ -17,8 +16,7 @@ import torch
 
 ALIGN = 512  # oneCCL's preferred alignment, and a multiple of every dtype's size
 
-_persistent: dict[int, weakref.ref] = {}  # data_ptr of a block -> weak reference to its storage
-_persistent_lock = threading.Lock()
+_persistent: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
 
 
 def resolve_device(device: torch.device | str) -> torch.device:
@@ -50,23 +48,14 @@ def allocate_bytes(nbytes: int, device: torch.device, group: Any = None) -> torc
     else:
         with torch.inference_mode(False):  # a normal tensor even when the first caller is in inference mode
             block = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    storage = block.untyped_storage()  # one Python object per storage, alive while any view of it is
-    ptr = storage.data_ptr()
-
-    def forget(ref: weakref.ref) -> None:
-        with _persistent_lock:
-            if _persistent.get(ptr) is ref:
-                del _persistent[ptr]
-
-    with _persistent_lock:
-        _persistent[ptr] = weakref.ref(storage, forget)
+    _persistent[block.data_ptr()] = block.untyped_storage()  # one Python object per storage while it lives
     return block
 
 
 def is_persistent(tensor: torch.Tensor) -> bool:
     """Whether ``tensor`` lives in a block from ``allocate_bytes`` that is still alive (for diagnostics)."""
     storage = tensor.untyped_storage()
-    return _persistent.get(storage.data_ptr(), lambda: None)() is storage
+    return _persistent.get(storage.data_ptr()) is storage
 
 
 class GrowOnlyBlock:

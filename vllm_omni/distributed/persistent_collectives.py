@@ -3,15 +3,16 @@
 """Collectives that hand the backend the same buffers on every request.
 
 oneCCL registers every allocation an XPU collective is handed and does not let go of it; after each request's
-``empty_cache()`` activations sit at new addresses, so device memory outside PyTorch grows per request.
-``PersistentCollectives`` copies a call's tensors into a block kept per (group, device), runs the collective in
-place there and copies the result out, as FSDP2's all-gather does. ``Collectives`` is the plain path. The
-platform picks one (``OmniPlatform.collectives()``); the diffusion ``GroupCoordinator`` and the request path's
-``managed_distributed`` call it. Compiled code reaches the coordinator's through ops keyed by group name.
+``empty_cache()`` activations sit at new addresses, so device memory outside PyTorch grows per request. With
+``persistent=True`` a call copies its tensors into a block kept per (group, device), runs the collective in place
+there and copies the result out, as FSDP2's all-gather does. The platform picks (``OmniPlatform.collectives()``);
+the diffusion ``GroupCoordinator`` and ``managed_distributed`` call it; compiled code reaches the coordinator's
+through ops registered by group name, as vLLM's does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
 from typing import Any
@@ -36,18 +37,14 @@ def switch_mode() -> str:
 
 
 def _write(destination: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy a result out as a backend writes it: outside autograd, into inference tensors too."""
-    with torch.no_grad():
-        if destination.is_inference() and not torch.is_inference_mode_enabled():
-            with torch.inference_mode():
-                destination.copy_(source)
-        else:
-            destination.copy_(source)
+    """Copy as a backend writes: outside autograd, into inference tensors too."""
+    inference = destination.is_inference() and not torch.is_inference_mode_enabled()
+    with torch.no_grad(), torch.inference_mode() if inference else contextlib.nullcontext():
+        destination.copy_(source)
 
 
 def _layout(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The strides a staged copy keeps: the caller's where its elements are dense (the backend reduces them in
-    memory order), else None, row-major, as the backend copies a tensor with gaps."""
+    """The caller's strides where its elements are dense (a backend reduces them in memory order), else row-major."""
     expected = 1
     for size, stride in sorted(
         (d for d in zip(tensor.shape, tensor.stride(), strict=True) if d[0] != 1), key=lambda d: d[1]
@@ -58,36 +55,6 @@ def _layout(tensor: torch.Tensor) -> tuple[int, ...] | None:
     return tensor.stride()
 
 
-class Collectives:
-    """``torch.distributed`` on the caller's own tensors. Synchronous; results land in the caller's tensors."""
-
-    staged = False
-
-    def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM, out=None) -> torch.Tensor:
-        if out is not None:
-            _write(out, tensor)
-        dist.all_reduce(tensor if out is None else out, op=op, group=group)
-        return tensor if out is None else out
-
-    def all_gather_into_tensor(self, output, input, group) -> torch.Tensor:
-        dist.all_gather_single(output, input, group=group)
-        return output
-
-    def broadcast(self, tensor, src, group) -> torch.Tensor:
-        dist.broadcast(tensor, src=src, group=group)
-        return tensor
-
-    def all_to_all_single(self, output, input, group, output_split_sizes=None, input_split_sizes=None):
-        dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
-        return output
-
-    def barrier(self, group, device) -> None:
-        dist.barrier(group=group)
-
-    def batch_isend_irecv(self, ops: list[dist.P2POp]) -> list:
-        return dist.batch_isend_irecv(ops)
-
-
 class _StagedBatch:
     """The one work of a staged point-to-point batch: ``wait()`` waits for all of it, then copies receives out."""
 
@@ -96,31 +63,25 @@ class _StagedBatch:
 
     def wait(self, *args: Any) -> bool:
         while self._works:
-            self._works[0].wait(*args)
-            self._works.pop(0)
+            self._works.pop(0).wait(*args)
         if self._finish is not None:
-            finish, self._finish = self._finish, None
+            self._finish, finish = None, self._finish
             finish()
         return True
 
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
 
+class Collectives:
+    """Synchronous collectives whose results land in the caller's tensors; ``persistent`` stages them in blocks.
 
-class PersistentCollectives(Collectives):
-    """Stages every call through a grow-only block per (group, device): only blocks reach the backend.
-
-    A rank that cannot get its block (no memory, or busy) runs the plain collective on its own tensors: the wire
-    collective is the same, so its peers never notice. Each kind of reason is logged once.
+    A rank that cannot get its block (no memory, or in use) runs the plain collective on its own tensors: the wire
+    collective is the same, so its peers never notice. Each such collective is logged once.
     """
 
-    staged = True
-
-    def __init__(self) -> None:
+    def __init__(self, persistent: bool) -> None:
+        self.staged = persistent
         self._blocks: weakref.WeakKeyDictionary[Any, dict[tuple, GrowOnlyBlock]] = weakref.WeakKeyDictionary()
-        self.staged_calls = 0
-        self.fallbacks = 0
-        self._logged: set[tuple[str, str]] = set()
+        self.staged_calls = self.fallbacks = 0
+        self._logged: set[str] = set()
 
     def blocks(self) -> list[GrowOnlyBlock]:
         return [block for by_key in list(self._blocks.values()) for block in by_key.values()]
@@ -135,128 +96,133 @@ class PersistentCollectives(Collectives):
             "resident_bytes": sum(b.nbytes for b in blocks),
         }
 
-    def _acquire(self, name: str, group: Any, device: torch.device, nbytes: int, role: str = "collective"):
+    @contextlib.contextmanager
+    def _block(self, name: str, group: Any, device: torch.device, nbytes: int, role: str = "collective"):
+        """This call's block, busy until the call is done; None where it runs on the caller's tensors."""
+        if not self.staged:
+            yield None
+            return
         group = group if group is not None else dist.group.WORLD
         device = resolve_device(device)
         block = self._blocks.setdefault(group, {}).setdefault((device, role), GrowOnlyBlock())
-        if block.busy:
-            return self._fallback(name, "busy", "its block is still in use")
+        problem = "its block is in use" if block.busy else None
+        if problem is None:
+            try:
+                block.ensure(aligned(nbytes), device, group)
+            except Exception as error:  # OutOfMemoryError on a device, RuntimeError on CPU: this rank goes plain
+                problem = f"no block of {nbytes} bytes on {device}: {error}"
+        if problem is not None:
+            self.fallbacks += 1
+            if name not in self._logged:
+                self._logged.add(name)
+                logger.warning(
+                    "[PERSISTENT_COLLECTIVES] %s ran on the caller's tensors on this rank: %s", name, problem
+                )
+            yield None
+            return
+        block.busy, self.staged_calls = True, self.staged_calls + 1
         try:
-            block.ensure(aligned(nbytes), device, group)
-        except Exception as error:  # OutOfMemoryError on a device, RuntimeError on CPU: this rank goes plain
-            return self._fallback(name, "memory", f"no block of {nbytes} bytes on {device}: {error}")
-        block.busy = True
-        self.staged_calls += 1
-        return block
-
-    def _fallback(self, name: str, kind: str, reason: str) -> None:
-        self.fallbacks += 1
-        if (name, kind) not in self._logged:
-            self._logged.add((name, kind))
-            logger.warning("[PERSISTENT_COLLECTIVES] %s ran on the caller's tensors on this rank: %s", name, reason)
-        return None
+            yield block
+        finally:
+            if role == "collective":
+                block.busy = False
 
     def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM, out=None) -> torch.Tensor:
-        block = self._acquire("all_reduce", group, tensor.device, tensor.nbytes)
-        if block is None:
-            return super().all_reduce(tensor, group, op, out)
-        try:
-            staged = block.view(tensor.shape, tensor.dtype, strides=_layout(tensor))
-            _write(staged, tensor)
+        result = tensor if out is None else out
+        with self._block("all_reduce", group, tensor.device, tensor.nbytes) as block:
+            staged = result if block is None else block.view(tensor.shape, tensor.dtype, strides=_layout(tensor))
+            if staged is not tensor:
+                _write(staged, tensor)
             dist.all_reduce(staged, op=op, group=group)
-            _write(tensor if out is None else out, staged)
-        finally:
-            block.busy = False
-        return tensor if out is None else out
+            if staged is not result:
+                _write(result, staged)
+        return result
 
     def all_gather_into_tensor(self, output, input, group) -> torch.Tensor:
-        block = self._acquire("all_gather_into_tensor", group, input.device, output.nbytes)
-        if block is None:
-            return super().all_gather_into_tensor(output, input, group)
-        try:
+        """``input`` and ``output`` contiguous; ``output`` holds every rank's ``input`` in rank order."""
+        with self._block("all_gather_into_tensor", group, input.device, output.nbytes) as block:
+            if block is None:
+                dist.all_gather_single(output, input, group=group)
+                return output
             gathered = block.view((output.numel(),), output.dtype)
             mine = gathered.narrow(0, dist.get_rank(group) * input.numel(), input.numel())
             _write(mine.view(input.shape), input)
             dist.all_gather_single(gathered, mine, group=group)  # in place: this rank's slot is the input
             _write(output, gathered.view(output.shape))
-        finally:
-            block.busy = False
         return output
 
     def broadcast(self, tensor, src, group) -> torch.Tensor:
-        block = self._acquire("broadcast", group, tensor.device, tensor.nbytes)
-        if block is None:
-            return super().broadcast(tensor, src, group)
-        try:
-            staged = block.view(tensor.shape, tensor.dtype, strides=_layout(tensor))
-            if dist.get_rank() == src:
+        """From global rank ``src``, in place."""
+        with self._block("broadcast", group, tensor.device, tensor.nbytes) as block:
+            staged = tensor if block is None else block.view(tensor.shape, tensor.dtype, strides=_layout(tensor))
+            if staged is not tensor and dist.get_rank() == src:
                 _write(staged, tensor)
             dist.broadcast(staged, src=src, group=group)
-            if dist.get_rank() != src:
+            if staged is not tensor and dist.get_rank() != src:
                 _write(tensor, staged)
-        finally:
-            block.busy = False
         return tensor
 
     def all_to_all_single(self, output, input, group, output_split_sizes=None, input_split_sizes=None):
-        block = self._acquire("all_to_all_single", group, input.device, aligned(input.nbytes) + output.nbytes)
-        if block is None:
-            return super().all_to_all_single(output, input, group, output_split_sizes, input_split_sizes)
-        try:
+        """``input`` and ``output`` contiguous, split along dim 0."""
+        splits = (output_split_sizes, input_split_sizes)
+        with self._block("all_to_all_single", group, input.device, aligned(input.nbytes) + output.nbytes) as block:
+            if block is None:
+                dist.all_to_all_single(output, input, *splits, group=group)
+                return output
             sent = block.view(input.shape, input.dtype)
             received = block.view(output.shape, output.dtype, offset=aligned(input.nbytes))
             _write(sent, input)
-            dist.all_to_all_single(received, sent, output_split_sizes, input_split_sizes, group=group)
+            dist.all_to_all_single(received, sent, *splits, group=group)
             _write(output, received)
-        finally:
-            block.busy = False
         return output
 
     def barrier(self, group, device) -> None:
-        """An all-reduce of a persistent element, then the host waits for the device (XCCL's own uses a new one)."""
-        block = self._acquire("barrier", group, device, ALIGN)
-        token = torch.zeros(1, dtype=torch.int32, device=device) if block is None else block.view((1,), torch.int32)
-        try:
+        """Staged, an all-reduce of a persistent element and a device sync (XCCL's barrier makes a new element)."""
+        if not self.staged:
+            dist.barrier(group=group)
+            return
+        with self._block("barrier", group, device, ALIGN) as block:
+            token = torch.zeros(1, dtype=torch.int32, device=device) if block is None else block.view((1,), torch.int32)
             token.zero_()
-            dist.all_reduce(token, group=group)  # every rank, staged or not, enters the same collective
+            dist.all_reduce(token, group=group)  # every rank, with a block or not, enters the same collective
             synchronize(resolve_device(device))
-        finally:
-            if block is not None:
-                block.busy = False
 
     def batch_isend_irecv(self, ops: list[dist.P2POp]) -> list:
-        """Sends copied in now; receives land in the block and are copied out when the batch is waited."""
+        """Staged, sends are copied in now and receives out when the batch is waited (one work for the batch)."""
         offsets = [0]
         for op in ops:
             offsets.append(offsets[-1] + aligned(op.tensor.nbytes))
-        block = self._acquire("batch_isend_irecv", ops[0].group, ops[0].tensor.device, offsets[-1], role="p2p")
-        if block is None:
-            return super().batch_isend_irecv(ops)
-        staged = []
-        try:
-            for op, offset in zip(ops, offsets, strict=False):
-                view = block.view(op.tensor.shape, op.tensor.dtype, offset)
-                if op.op in (dist.isend, dist.send):
-                    _write(view, op.tensor)
-                staged.append(dist.P2POp(op.op, view, op.peer, op.group, op.tag))
-            works = dist.batch_isend_irecv(staged)
-        except BaseException:
-            block.busy = False
-            raise
+        with self._block("batch_isend_irecv", ops[0].group, ops[0].tensor.device, offsets[-1], "p2p") as block:
+            if block is None:
+                return dist.batch_isend_irecv(ops)
+            try:
+                staged = [
+                    block.view(op.tensor.shape, op.tensor.dtype, offset)
+                    for op, offset in zip(ops, offsets[:-1], strict=True)
+                ]
+                for op, view in zip(ops, staged, strict=True):
+                    if op.op in (dist.isend, dist.send):
+                        _write(view, op.tensor)
+                pairs = list(zip(ops, staged, strict=True))
+                works = dist.batch_isend_irecv(
+                    [dist.P2POp(op.op, view, op.peer, op.group, op.tag) for op, view in pairs]
+                )
+            except BaseException:
+                block.busy = False
+                raise
 
         def finish() -> None:
             try:
-                for op, view in zip(ops, staged, strict=True):
+                for op, view in pairs:
                     if op.op not in (dist.isend, dist.send):
-                        _write(op.tensor, view.tensor)
+                        _write(op.tensor, view)
             finally:
                 block.busy = False
 
         return [_StagedBatch(list(works), finish)]
 
 
-_PLAIN = Collectives()
-_PERSISTENT = PersistentCollectives()
+_PLAIN, _PERSISTENT = Collectives(persistent=False), Collectives(persistent=True)
 
 
 def collectives_for(device_type: str) -> Collectives:
@@ -275,9 +241,8 @@ def persistent_stats() -> dict[str, int]:
     return _PERSISTENT.stats()
 
 
-# The diffusion GroupCoordinator's collectives. Each coordinator is registered under its device group's name, by
-# which compiled code reaches it through opaque ops, as vLLM's coordinator does; its CPU group serves as the
-# device group's twin for object collectives.
+# Coordinators by their device group's name, for the ops; each CPU group stands in for its device group's
+# object collectives.
 _coordinators: dict[str, weakref.ref] = {}
 _cpu_twins: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
@@ -285,8 +250,7 @@ _cpu_twins: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 def register_coordinator(coordinator: Any) -> None:
     coordinator.collective_name = coordinator.device_group.group_name
     _coordinators[coordinator.collective_name] = weakref.ref(coordinator)
-    _cpu_twins[coordinator.device_group] = coordinator.cpu_group
-    _cpu_twins[coordinator.cpu_group] = coordinator.cpu_group
+    _cpu_twins[coordinator.device_group] = _cpu_twins[coordinator.cpu_group] = coordinator.cpu_group
     if coordinator.world_size == dist.get_world_size():  # the default group spans the same ranks
         _cpu_twins.setdefault(dist.group.WORLD, coordinator.cpu_group)
 
@@ -296,27 +260,25 @@ def cpu_twin(group: Any) -> Any:
     return _cpu_twins.get(group if group is not None else dist.group.WORLD)
 
 
-def _coordinator(group_name: str) -> Any:
-    coordinator = _coordinators[group_name]()
-    if coordinator is None:
+def _device_group(group_name: str) -> Any:
+    if (coordinator := _coordinators[group_name]()) is None:
         raise RuntimeError(f"the process group {group_name!r} was destroyed")
-    return coordinator
+    return coordinator.device_group
 
 
-_OP_NAMES = ((dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.MAX, "max"), (dist.ReduceOp.MIN, "min"))
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
 @torch.library.custom_op("vllm_omni::all_reduce", mutates_args=())
 def _all_reduce_op(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
-    reduce = next(reduce for reduce, name in _OP_NAMES if name == op)
     out = torch.empty_like(tensor)
-    return platform_collectives().all_reduce(tensor, _coordinator(group_name).device_group, reduce, out=out)
+    return platform_collectives().all_reduce(tensor, _device_group(group_name), _OPS[op], out=out)
 
 
 @torch.library.custom_op("vllm_omni::all_gather", mutates_args=())
 def _all_gather_op(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     out = tensor.new_empty((world_size * tensor.shape[0], *tensor.shape[1:]))
-    return platform_collectives().all_gather_into_tensor(out, tensor, _coordinator(group_name).device_group)
+    return platform_collectives().all_gather_into_tensor(out, tensor, _device_group(group_name))
 
 
 _all_reduce_op.register_fake(lambda tensor, op, group_name: torch.empty_like(tensor))
@@ -330,32 +292,32 @@ def coordinator_all_reduce(self, input_: torch.Tensor, op=dist.ReduceOp.SUM) -> 
     if self.world_size == 1:
         return input_
     if torch.compiler.is_compiling():
-        for reduce, name in _OP_NAMES:
+        for name, reduce in _OPS.items():
             if op == reduce and getattr(self, "collective_name", None) is not None:
                 return torch.ops.vllm_omni.all_reduce(input_, name, self.collective_name)
-        dist.all_reduce(input_, op=op, group=self.device_group)  # traced as torch traces it: no block
+        dist.all_reduce(input_, op=op, group=self.device_group)  # traced as torch traces it
         return input_
     return platform_collectives().all_reduce(input_, self.device_group, op)
 
 
 def coordinator_all_gather(self, input_: torch.Tensor, dim: int = 0, separate_tensors: bool = False, group=None):
     """``GroupCoordinator.all_gather``: ranks' tensors concatenated along ``dim``, or one view per rank."""
-    own = group is None
-    group = self.device_group if own else group
+    by_name = group is None and getattr(self, "collective_name", None) is not None
+    group = self.device_group if group is None else group
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return input_
     if not -input_.dim() <= dim < input_.dim():
         raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(input_.shape)}")
     input_ = input_.contiguous()
-    if torch.compiler.is_compiling() and not (own and getattr(self, "collective_name", None) is not None):
-        stacked = input_.new_empty((world_size * input_.shape[0], *input_.shape[1:]))
-        dist.all_gather_into_tensor(stacked, input_, group=group)  # traced as torch traces it: no block
-    elif torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and by_name:
         stacked = torch.ops.vllm_omni.all_gather(input_, world_size, self.collective_name)
     else:
         stacked = input_.new_empty((world_size * input_.shape[0], *input_.shape[1:]))
-        platform_collectives().all_gather_into_tensor(stacked, input_, group)
+        if torch.compiler.is_compiling():
+            dist.all_gather_into_tensor(stacked, input_, group=group)  # traced as torch traces it
+        else:
+            platform_collectives().all_gather_into_tensor(stacked, input_, group)
     parts = stacked.view(world_size, *input_.shape).unbind(0)
     if separate_tensors:
         return list(parts)
