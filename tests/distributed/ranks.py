@@ -16,7 +16,6 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-
 PREPARE: Callable[[], None] | None = None  # run first in every rank unless a call names its own (a conftest sets it)
 
 

@@ -1,12 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""``torch.distributed`` as the request path's modules use it: ``from vllm_omni.distributed import
-managed_distributed as dist``.
+"""``torch.distributed`` for the request path's modules (``import ... managed_distributed as dist``).
 
-Their synchronous tensor collectives go through the platform's collectives (persistent blocks on XPU); with those
-on, object collectives run on the CPU group over the same ranks, as the diffusion worker's own do, so they need
-no device memory at all. Every other name, and any call outside that narrow contract (``async_op=True``, traced
-code, uneven list gathers), is ``torch.distributed``'s own, unchanged.
+Synchronous tensor collectives go through the platform's collectives; when those keep persistent blocks, object
+collectives run on the CPU group over the same ranks, as the diffusion worker's own do. Everything else, and any
+call outside that contract (``async_op=True``, traced code, uneven list gathers), is ``torch.distributed``'s own.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ def __getattr__(name: str):
     return getattr(_dist, name)
 
 
-def _plain(async_op: bool = False) -> bool:
+def _plain(async_op: bool) -> bool:
     return async_op or torch.compiler.is_compiling()
 
 
@@ -53,14 +51,15 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 
 def batch_isend_irecv(p2p_op_list):
-    if torch.compiler.is_compiling():
+    if _plain(False):
         return _dist.batch_isend_irecv(p2p_op_list)
     return platform_collectives().batch_isend_irecv(p2p_op_list)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     collectives = platform_collectives()
-    if _plain(async_op) or timeout is not None or not collectives.staged or cpu_twin(group) is group:
+    on_cpu_group = group is not None and cpu_twin(group) is group
+    if _plain(async_op) or timeout is not None or not collectives.staged or on_cpu_group:
         return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)
     from vllm_omni.platforms import current_omni_platform
 
@@ -73,9 +72,8 @@ def _object_group(group):
 
 
 def broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
-    twin = _object_group(group)
-    device = device if twin is group else None
-    return _dist.broadcast_object_list(object_list, src=src, group=twin, device=device, group_src=group_src)
+    on = _object_group(group)
+    return _dist.broadcast_object_list(object_list, src, on, device if on is group else None, group_src)
 
 
 def all_gather_object(object_list, obj, group=None):

@@ -2,12 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """Collectives that hand the backend the same buffers on every request.
 
-oneCCL registers every allocation an XPU collective is handed and does not let go of it; after each request's
-``empty_cache()`` activations sit at new addresses, so device memory outside PyTorch grows per request. With
-``persistent=True`` a call copies its tensors into a block kept per (group, device), runs the collective in place
-there and copies the result out, as FSDP2's all-gather does. The platform picks (``OmniPlatform.collectives()``);
-the diffusion ``GroupCoordinator`` and ``managed_distributed`` call it; compiled code reaches the coordinator's
-through ops registered by group name, as vLLM's does.
+oneCCL registers every buffer an XPU collective is handed and keeps it; after ``empty_cache()`` activations land at
+new addresses, so device memory outside PyTorch grows per request. Staged, a call copies into a block kept per
+(group, device), runs in place there and copies out, as FSDP2's all-gather does.
 """
 
 from __future__ import annotations
@@ -46,9 +43,7 @@ def _write(destination: torch.Tensor, source: torch.Tensor) -> None:
 def _layout(tensor: torch.Tensor) -> tuple[int, ...] | None:
     """The caller's strides where its elements are dense (a backend reduces them in memory order), else row-major."""
     expected = 1
-    for size, stride in sorted(
-        (d for d in zip(tensor.shape, tensor.stride(), strict=True) if d[0] != 1), key=lambda d: d[1]
-    ):
+    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz != 1):
         if stride != expected:
             return None
         expected *= size
@@ -87,14 +82,9 @@ class Collectives:
         return [block for by_key in list(self._blocks.values()) for block in by_key.values()]
 
     def stats(self) -> dict[str, int]:
-        blocks = self.blocks()
-        return {
-            "staged_calls": self.staged_calls,
-            "fallbacks": self.fallbacks,
-            "blocks": len(blocks),
-            "block_allocations": sum(b.allocs for b in blocks),
-            "resident_bytes": sum(b.nbytes for b in blocks),
-        }
+        blocks, counts = self.blocks(), {"staged_calls": self.staged_calls, "fallbacks": self.fallbacks}
+        resident = {"block_allocations": sum(b.allocs for b in blocks), "resident_bytes": sum(b.nbytes for b in blocks)}
+        return {**counts, "blocks": len(blocks), **resident}
 
     @contextlib.contextmanager
     def _block(self, name: str, group: Any, device: torch.device, nbytes: int, role: str = "collective"):
@@ -123,9 +113,10 @@ class Collectives:
         block.busy, self.staged_calls = True, self.staged_calls + 1
         try:
             yield block
-        finally:
-            if role == "collective":
-                block.busy = False
+        except BaseException:
+            block.busy = False
+            raise
+        block.busy = role == "p2p"  # a batch's block stays busy until the batch is waited
 
     def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM, out=None) -> torch.Tensor:
         result = tensor if out is None else out
@@ -189,35 +180,25 @@ class Collectives:
 
     def batch_isend_irecv(self, ops: list[dist.P2POp]) -> list:
         """Staged, sends are copied in now and receives out when the batch is waited (one work for the batch)."""
-        offsets = [0]
-        for op in ops:
-            offsets.append(offsets[-1] + aligned(op.tensor.nbytes))
-        with self._block("batch_isend_irecv", ops[0].group, ops[0].tensor.device, offsets[-1], "p2p") as block:
+        sizes = [aligned(op.tensor.nbytes) for op in ops]
+        with self._block("batch_isend_irecv", ops[0].group, ops[0].tensor.device, sum(sizes), "p2p") as block:
             if block is None:
                 return dist.batch_isend_irecv(ops)
-            try:
-                staged = [
-                    block.view(op.tensor.shape, op.tensor.dtype, offset)
-                    for op, offset in zip(ops, offsets[:-1], strict=True)
-                ]
-                for op, view in zip(ops, staged, strict=True):
-                    if op.op in (dist.isend, dist.send):
-                        _write(view, op.tensor)
-                pairs = list(zip(ops, staged, strict=True))
-                works = dist.batch_isend_irecv(
-                    [dist.P2POp(op.op, view, op.peer, op.group, op.tag) for op, view in pairs]
-                )
-            except BaseException:
-                block.busy = False
-                raise
+            views = [block.view(op.tensor.shape, op.tensor.dtype, sum(sizes[:i])) for i, op in enumerate(ops)]
+            receives = []
+            for op, view in zip(ops, views, strict=True):
+                if op.op in (dist.isend, dist.send):
+                    _write(view, op.tensor)
+                else:
+                    receives.append((op.tensor, view))
+            works = dist.batch_isend_irecv(
+                [dist.P2POp(o.op, v, o.peer, o.group, o.tag) for o, v in zip(ops, views, strict=True)]
+            )
 
         def finish() -> None:
-            try:
-                for op, view in pairs:
-                    if op.op not in (dist.isend, dist.send):
-                        _write(op.tensor, view)
-            finally:
-                block.busy = False
+            for tensor, view in receives:
+                _write(tensor, view)
+            block.busy = False
 
         return [_StagedBatch(list(works), finish)]
 
@@ -232,9 +213,11 @@ def collectives_for(device_type: str) -> Collectives:
 
 
 def platform_collectives() -> Collectives:
+    """The current platform's choice; by the switch alone where the platform makes none."""
     from vllm_omni.platforms import current_omni_platform
 
-    return current_omni_platform.collectives()
+    choose = getattr(current_omni_platform, "collectives", None)
+    return choose() if callable(choose) else collectives_for(current_omni_platform.device_type)
 
 
 def persistent_stats() -> dict[str, int]:

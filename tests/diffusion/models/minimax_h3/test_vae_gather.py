@@ -263,8 +263,10 @@ def test_resolve_device_names_the_current_card_when_the_index_is_left_out(monkey
 
 def test_growth_waits_for_the_device_before_the_old_block_is_freed(monkeypatch):
     events = []
-    monkeypatch.setattr(vae_gather, "synchronize", lambda device: events.append(f"synchronize {device}"))
-    workspace = vae_gather.TileGatherWorkspace()
+    from vllm_omni.distributed import collective_workspaces
+
+    monkeypatch.setattr(collective_workspaces, "synchronize", lambda device: events.append(f"synchronize {device}"))
+    workspace = collective_workspaces.GrowOnlyBlock()
     workspace.ensure(128, torch.device("cpu"), None)
     weakref.finalize(workspace.block, events.append, "old block freed")
     assert not workspace.ensure(64, torch.device("cpu"), None) and events == []

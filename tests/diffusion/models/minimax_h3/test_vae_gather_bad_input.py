@@ -14,6 +14,7 @@ import torch
 
 from vllm_omni.diffusion.models.minimax_h3 import vae_gather
 from vllm_omni.diffusion.models.minimax_h3.vae_gather import get_tile_gather, install_tile_gather_reuse
+from vllm_omni.distributed import collective_workspaces
 
 from .bad_input_cases import CASES, NUM_TILES, SHAPE, WORLD, inputs_for
 from .fake_collective import ThreadWorld
@@ -81,7 +82,7 @@ def test_a_local_failure_is_the_cause_of_the_error_on_its_own_rank_only():
 def test_no_memory_on_one_rank_raises_out_of_memory_on_every_rank_and_the_gather_allocates_nothing_else(monkeypatch):
     world = ThreadWorld(WORLD)
     adapters = ranks_with_gather(world)  # the header buffers are allocated here, at install
-    real, asked = vae_gather.allocate_bytes, []
+    real, asked = collective_workspaces.allocate_bytes, []
 
     def rank_2_has_no_memory(nbytes, device, group):
         asked.append((group.rank(), nbytes))
@@ -90,7 +91,7 @@ def test_no_memory_on_one_rank_raises_out_of_memory_on_every_rank_and_the_gather
         return real(nbytes, device, group)
 
     rank_2_has_no_memory.armed = True
-    monkeypatch.setattr(vae_gather, "allocate_bytes", rank_2_has_no_memory)
+    monkeypatch.setattr(collective_workspaces, "allocate_bytes", rank_2_has_no_memory)  # the workspace's
     good = [(make_share(r, WORLD, NUM_TILES, shape=SHAPE), NUM_TILES) for r in range(WORLD)]
     outcomes = _gather_each(world, adapters, good)
     # 9 tiles over 4 ranks: slots of 3 tiles of 384 bytes.

@@ -69,11 +69,13 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
         return real_allocate(nbytes, device, group)
 
     def grow_without_memory() -> None:
-        vae_gather.allocate_bytes = out_of_memory
+        from vllm_omni.distributed import collective_workspaces  # where the workspace's block comes from
+
+        collective_workspaces.allocate_bytes = out_of_memory
         try:
             gather(make_share(rank, world, 28, shape=SHAPE), 28)
         finally:
-            vae_gather.allocate_bytes = real_allocate
+            collective_workspaces.allocate_bytes = real_allocate
 
     record("out-of-memory", grow_without_memory)
 
