@@ -71,6 +71,13 @@ class BackendRecorder:
     def end_request(self) -> None:
         self.requests.append([])
 
+    @staticmethod
+    def fresh_across(recorders: list[BackendRecorder]) -> int:
+        """Storages the last recorder's calls handed the backend that no earlier one did."""
+        seen = {ptr for r in recorders[:-1] for calls in r.requests for _, tensors in calls for ptr, _ in tensors}
+        last = {ptr for calls in recorders[-1].requests for _, tensors in calls for ptr, _ in tensors}
+        return len(last - seen)
+
     def summary(self) -> list[dict[str, int]]:
         seen: set[int] = set()
         rows = []
