@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""What the persistent-collectives layer costs per call: staged all-reduces paired with plain ones, on gloo ranks.
+"""What persistent collectives cost per call: staged all-reduces paired with plain ones, on gloo ranks.
 
 Each rank times batches of all-reduces of one size, the plain collective and the staged one back to back in
 rotating order, every batch started together behind a barrier. Per rank and size it reports the wall and
 process-CPU time per call of both, their paired ratio and the paired difference per call, each with a 95%
 bootstrap interval over the pairs: a slowdown the scheduler puts on both halves of a pair cancels. One rank
-gives the layer's own host cost; with more ranks than cores, a rank that arrives later makes its peers wait,
+gives the staging's own host cost; with more ranks than cores, a rank that arrives later makes its peers wait,
 and the wake-up latency of an oversubscribed machine adds to the wall time of both.
 
     python -m benchmarks.persistent_collectives_overhead --world-size 4 --pairs 30
@@ -40,13 +40,18 @@ def measure(rank: int, world: int, pairs: int, calls: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from vllm_omni.distributed.persistent_collectives import install_persistent_collectives, installed
+    from vllm_omni.distributed.persistent_collectives import Collectives
 
     torch.set_num_threads(1)
-    assert install_persistent_collectives(enabled=True, device_type="cpu")
-    layer = installed()
-    plain, staged = layer.plain["all_reduce"], dist.all_reduce
-    sync = layer.plain["barrier"]
+    persistent = Collectives(persistent=True)
+
+    def plain(tensor):
+        dist.all_reduce(tensor)
+
+    def staged(tensor):
+        persistent.all_reduce(tensor, None)
+
+    sync = dist.barrier
     samples: dict[str, Any] = {}
     for label, nbytes in SIZES.items():
         tensor = torch.ones(nbytes // 4)
@@ -61,7 +66,7 @@ def measure(rank: int, world: int, pairs: int, calls: int) -> dict[str, Any]:
                 runs[name]["wall"].append(wall)
                 runs[name]["cpu"].append(cpu)
         samples[label] = runs
-    return {"rank": rank, "samples": samples, "layer": layer.stats()}
+    return {"rank": rank, "samples": samples, "layer": persistent.stats()}
 
 
 def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:

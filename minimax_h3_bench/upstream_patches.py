@@ -28,11 +28,13 @@ PATCHES = ROOT / "patches"
 RELEASE = "0.30.0"
 PLUGIN = "minimax_h3_vae_gather"
 TREE_ENV = "VLLM_OMNI_H3_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
-# What the patches carry from this checkout, beside their hand-made changes (vae.py in the first, the diffusion
-# worker's call in the second). ``regenerate`` refreshes the last patch: a file the last patch carries is as
-# this checkout has it once every patch is applied; the first patch's copy of vae_gather.py is its own.
+# What the patches carry from this checkout, beside their hand-made changes (vae.py in the first; the coordinator,
+# the platform interface and the request path's imports in the second). ``regenerate`` refreshes the last patch: a
+# file the last patch carries is as this checkout has it once every patch is applied; the first patch's copy of
+# vae_gather.py is its own (it has no request-path scoping yet).
 CARRIED_FIRST = (
     "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
+    "vllm_omni/distributed/collective_workspaces.py",
     *(
         f"tests/diffusion/models/minimax_h3/{name}"
         for name in (
@@ -49,13 +51,24 @@ CARRIED_FIRST = (
 CARRIED_LAST = (
     "vllm_omni/distributed/collective_workspaces.py",
     "vllm_omni/distributed/persistent_collectives.py",
-    "vllm_omni/distributed/staged_work.py",
+    "vllm_omni/distributed/managed_distributed.py",
     "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
+    *(
+        f"tests/distributed/{name}"
+        for name in (
+            "__init__.py",
+            "ranks.py",
+            "collective_ranks.py",
+            "coordinator_ranks.py",
+            "test_persistent_collectives.py",
+            "test_group_coordinator.py",
+        )
+    ),
 )
 CARRIED = tuple(dict.fromkeys(CARRIED_FIRST + CARRIED_LAST))
-UPSTREAM_TESTS = "tests/diffusion/models/minimax_h3"
-# Run from this checkout against the patched tree: the layer's tests need the project's gloo rank runner.
-CHECKOUT_TESTS = ("tests/distributed", "tests/e2e/test_minimax_h3_serve_cpu.py")
+UPSTREAM_TESTS = ("tests/diffusion/models/minimax_h3", "tests/distributed")
+# Run from this checkout against the patched tree: the serve test needs the project's synthetic pipeline.
+CHECKOUT_TESTS = ("tests/e2e/test_minimax_h3_serve_cpu.py",)
 # The tree has no pytest configuration of its own; upstream's registers these markers.
 PYTEST_INI = """[pytest]
 addopts = --strict-markers -q -p no:cacheprovider
@@ -63,6 +76,7 @@ markers =
     core_model: core functionality tests
     cpu: runs on CPU only
     diffusion: diffusion model tests
+    distributed: starts several torch.distributed ranks
 """
 _IDENTITY = {
     "GIT_AUTHOR_NAME": "vLLM-Omni contributors",
@@ -151,15 +165,15 @@ def plugins_without_ours() -> str:
 
 
 def run_against(tree: Path) -> int:
-    """The patches' own tests in the patched tree, then the layer's and the serve test from this checkout, with that
-    tree first and the plugin off."""
+    """The patches' own tests in the patched tree, then the serve test from this checkout, with that tree first and
+    the plugin off."""
     (tree / "pytest.ini").write_text(PYTEST_INI)
     env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "VLLM_PLUGINS": plugins_without_ours(),
         TREE_ENV: str(tree),
     }
-    for cwd, target in ((tree, UPSTREAM_TESTS), *((ROOT, test) for test in CHECKOUT_TESTS)):
+    for cwd, target in (*((tree, test) for test in UPSTREAM_TESTS), *((ROOT, test) for test in CHECKOUT_TESTS)):
         print(f"[upstream] pytest {target} against {tree}", file=sys.stderr, flush=True)
         done = subprocess.run([sys.executable, "-m", "pytest", target], cwd=cwd, env=env)
         if done.returncode != 0:

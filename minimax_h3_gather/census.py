@@ -161,8 +161,8 @@ def register() -> None:
             # This worker's wall and process CPU seconds for the request, the census's own bookkeeping included.
             timing.append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
             ledger.end_request()
-            staged = persistent_collectives.platform_collectives().staged
-            layer_stats.append(persistent_collectives.persistent_stats() if staged else None)  # since start-up
+            collectives = persistent_collectives.platform_collectives()
+            layer_stats.append(collectives.stats() if collectives.staged else None)  # since start-up
             memory.append(memory_record(device))
             compiled.append(compile_record(self))
             books = {"timing": timing, "persistent_collectives": layer_stats, "memory": memory, "compile": compiled}

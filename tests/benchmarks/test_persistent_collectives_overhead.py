@@ -38,7 +38,7 @@ def test_every_size_and_rank_gets_wall_and_cpu_per_call_with_paired_intervals(ru
                 assert ratio["low"] <= ratio["value"] <= ratio["high"] and extra["low"] <= extra["high"]
 
 
-def test_the_staged_calls_went_through_workspaces(run):
+def test_the_staged_calls_went_through_persistent_blocks(run):
     _, results = run
     calls_per_rank = len(bench.SIZES) * (1 + 4 * 3)  # a warm-up and every staged call
     assert [layer["staged_calls"] for layer in results["layer"]] == [calls_per_rank] * 2

@@ -2,9 +2,9 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """The upstream patches against a pristine vLLM-Omni 0.30.0 package tree, fetched from the package index.
 
-They must apply, carry this checkout's files as they are now, and pass the patches' own tests, the layer's
-tests and the ``vllm-omni serve`` test in that tree with this project's plugin switched off: the adapter's and
-the diffusion worker's own calls install the fixes there.
+They must apply, carry this checkout's files as they are now, and pass the patches' own tests and the
+``vllm-omni serve`` test in that tree with this project's plugin switched off: the adapter, the coordinator, the
+platform and the request path's modules make the fixes there themselves.
 """
 
 from __future__ import annotations
@@ -46,10 +46,50 @@ def test_the_adapter_installs_the_fix_itself_and_keeps_none_of_its_own_override(
         assert removed not in adapter
 
 
-def test_the_diffusion_worker_installs_the_collectives_layer_once_its_group_is_up(patched):
+COORDINATOR = "vllm_omni/diffusion/distributed/group_coordinator.py"
+REQUEST_PATH = (
+    "vllm_omni/diffusion/models/minimax_h3/pipeline_minimax_h3.py",
+    "vllm_omni/diffusion/models/minimax_h3/chunked_decode.py",
+    "vllm_omni/diffusion/distributed/comm.py",
+    "vllm_omni/diffusion/attention/parallel/ulysses.py",
+)
+
+
+def test_the_coordinator_routes_its_collectives_through_the_platform_and_registers_every_instance(patched):
+    coordinator = (patched / COORDINATOR).read_text()
+    for name in ("all_reduce", "all_gather", "broadcast"):
+        assert f"    {name} = persistent_collectives.coordinator_{name}\n" in coordinator
+        assert f"    def {name}(" not in coordinator
+    # GroupCoordinator's and PipelineGroupCoordinator's own __init__ (the latter calls no super().__init__)
+    assert coordinator.count("persistent_collectives.register_coordinator(self)") == 2
+
+
+def test_the_request_paths_modules_use_the_managed_namespace_and_nothing_imports_torch_distributed_as_dist(patched):
+    for relative in REQUEST_PATH:
+        module = (patched / relative).read_text()
+        assert "from vllm_omni.distributed import managed_distributed as dist" in module, relative
+        assert "import torch.distributed as dist" not in module and "torch.distributed.broadcast(" not in module
+
+
+def test_the_worker_is_as_released_no_process_wide_install(patched):
     worker = (patched / WORKER).read_text()
-    assert worker.count("install_persistent_collectives()") == 1
-    assert worker.index("init_distributed_environment(world_size") < worker.index("install_persistent_collectives()")
+    assert "persistent_collectives" not in worker and "install_persistent_collectives" not in worker
+
+
+def test_patch_0002_adds_at_most_350_non_test_lines():
+    text = upstream_patches.patch_files()[1].read_text()
+    added, current = 0, ""
+    for line in text.splitlines():
+        if line.startswith("diff --git "):
+            current = line.split(" b/")[-1]
+        elif (
+            line.startswith("+")
+            and not line.startswith("+++")
+            and line[1:].strip()
+            and not current.startswith("tests/")
+        ):
+            added += 1
+    assert 0 < added <= 350, added
 
 
 def test_there_are_two_patches_the_vae_one_then_the_whole_request_one():

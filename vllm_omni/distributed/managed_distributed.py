@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""``torch.distributed`` for the request path's modules (``import ... managed_distributed as dist``).
-
-Synchronous tensor collectives go through the platform's collectives; when those keep persistent blocks, object
-collectives run on the CPU group over the same ranks, as the diffusion worker's own do. Everything else, and any
-call outside that contract (``async_op=True``, traced code, uneven list gathers), is ``torch.distributed``'s own.
+"""``torch.distributed`` for the request path's modules: synchronous tensor collectives through the platform's;
+with persistent blocks, object collectives on the gloo group over the same ranks, as the worker's own are. Any
+other name or call (``async_op=True``, traced code, uneven list gathers) is ``torch.distributed``'s own.
 """
 
 from __future__ import annotations

@@ -220,10 +220,6 @@ def platform_collectives() -> Collectives:
     return choose() if callable(choose) else collectives_for(current_omni_platform.device_type)
 
 
-def persistent_stats() -> dict[str, int]:
-    return _PERSISTENT.stats()
-
-
 # Coordinators by their device group's name, for the ops; each CPU group stands in for its device group's
 # object collectives.
 _coordinators: dict[str, weakref.ref] = {}

@@ -318,11 +318,8 @@ def remove_tile_gather_reuse(adapter: Any) -> bool:
 
 
 def scope_checkpoint_collectives(adapter: Any) -> list[str]:
-    """Give the checkpoint's own modules vLLM-Omni's ``managed_distributed`` in place of ``torch.distributed``.
-
-    The checkpoint's per-clip ``barrier`` then all-reduces a persistent element where the platform keeps blocks,
-    instead of XCCL's new one per call. Only the modules beside the checkpoint's class are rebound, never
-    ``torch.distributed`` itself. Returns the rebound names, ``module.attribute``.
+    """The checkpoint's own modules get ``managed_distributed`` for ``torch.distributed`` (never torch itself), so
+    its per-clip ``barrier`` reuses a persistent element where the platform keeps blocks; returns what it rebound.
     """
     module = type(getattr(adapter, "model", None)).__module__
     package = module.rpartition(".")[0]
