@@ -50,7 +50,7 @@ RECEIPTS = {
     "gathers": r"\[H3_VAE_GATHER\] reuse=(?:alloc|hit) ",
     "workspace_allocs": r"\[H3_VAE_GATHER\] reuse=alloc ",
     "empty_cache": r"\[CPU_TEST_PLATFORM\] empty_cache #",
-    "layer_installs": r"\[PERSISTENT_COLLECTIVES\] installed: ",
+    "layer_installs": r"\[PERSISTENT_COLLECTIVES\] persistent buffers in use in this process ",
     "dit_compile": r"Regional compilation applied to \d+ module",  # vLLM-Omni's own line: Inductor, lazy
 }
 

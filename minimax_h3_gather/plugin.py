@@ -20,7 +20,6 @@ from types import ModuleType
 
 from vllm.logger import init_logger
 
-from . import request_path
 from .overlay import check_overlay, omni_version
 
 # Under vLLM-Omni's logger, so its handlers and level apply: a top-level name would drop the INFO line.
@@ -110,6 +109,8 @@ def hook_worker(module: ModuleType) -> bool:
 def hook_request_path() -> None:
     """In a diffusion worker: the coordinator, the platform and the request path's modules, now or when loaded."""
     from vllm_omni.distributed.persistent_collectives import switch_mode
+
+    from . import request_path  # imports vLLM-Omni's distributed modules: in diffusion workers only
 
     mode = switch_mode()
     if request_path.COORDINATOR_MODULE in _HOOKS:

@@ -22,13 +22,13 @@ import os, sys
 from vllm.utils.system_utils import _add_prefix
 from vllm_omni.distributed.persistent_collectives import logger
 _add_prefix(sys.stdout, "DiffusionWorker", os.getpid())
-logger.info("[PERSISTENT_COLLECTIVES] installed: %s", "all_reduce")
+logger.info("[PERSISTENT_COLLECTIVES] persistent buffers in use in this process (first: %s)", "all_reduce")
 """
 
 
 @pytest.fixture(scope="module")
 def records() -> list[tuple[int, str]]:
-    """Two processes' install records, as ``(pid, line)``, each line with vLLM's worker prefix attached."""
+    """Two processes' "persistent buffers in use" records, as ``(pid, line)``, each with vLLM's worker prefix."""
     env = os.environ | serve_cpu.RECEIPT_LOGGING | {"VLLM_LOGGING_COLOR": "0"}
     processes = [
         subprocess.Popen([sys.executable, "-c", _EMIT], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)

@@ -164,28 +164,32 @@ def test_only_a_holding_ledger_keeps_a_buffer_alive_after_its_owner_drops_it(hol
         assert (storage_ref() is not None) is hold
 
 
-def _reduce_fresh() -> None:
-    dist.all_reduce(torch.randn(4096))
+def _reduce_fresh(collectives) -> None:
+    collectives.all_reduce(torch.randn(4096), None)
 
 
-def test_under_the_persistent_layer_the_ledger_counts_its_workspace_not_the_callers_tensors():
-    from vllm_omni.distributed import persistent_collectives as pc
+def test_under_persistent_collectives_the_ledger_counts_their_block_not_the_callers_tensors():
+    from vllm_omni.distributed.persistent_collectives import Collectives
 
-    assert pc.install_persistent_collectives(enabled=True, device_type="cpu")
-    plain = dict(pc.installed().plain)
-    try:
-        with CollectiveLedger() as ledger:
-            for _ in range(3):
-                _reduce_fresh()
-                ledger.mark_release()
-            first = ledger.end_request()
-            _reduce_fresh()
-            later = ledger.end_request()
-        assert pc.installed().plain == plain  # the ledger put the layer's backend side back
-    finally:
-        pc.uninstall_persistent_collectives()
-    assert first.new_registrations == 1 and first.calls == 3  # one workspace, three fresh callers
+    staged = Collectives(persistent=True)
+    with CollectiveLedger() as ledger:
+        for _ in range(3):
+            _reduce_fresh(staged)
+            ledger.mark_release()
+        first = ledger.end_request()
+        _reduce_fresh(staged)
+        later = ledger.end_request()
+    assert first.new_registrations == 1 and first.calls == 3  # one block, three fresh callers
     ((site, books),) = first.books["all"].items()
-    assert site.startswith("all_reduce @ _reduce_fresh (test_ledger.py")  # the caller, not the layer
+    assert site.startswith("all_reduce @ _reduce_fresh (test_ledger.py")  # the caller, not the staging
     assert books["persistent_buffers"] == 2
     assert later.new_registrations == 0 and later.calls == 1
+    assert first.unmanaged_sites == {} and later.unmanaged_sites == {}
+
+
+def test_a_call_on_a_device_group_with_the_callers_own_tensor_is_an_unmanaged_site():
+    with CollectiveLedger() as ledger:
+        dist.all_reduce(torch.zeros(8))
+        dist.barrier()
+        report = ledger.end_request()
+    assert [site.split(" @ ")[0] for site in report.unmanaged_sites] == ["all_reduce", "barrier"]

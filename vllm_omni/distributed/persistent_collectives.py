@@ -1,10 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Collectives that hand the backend the same buffers on every request.
-
-oneCCL registers every buffer an XPU collective is handed and keeps it; after ``empty_cache()`` activations land at
-new addresses, so device memory outside PyTorch grows per request. Staged, a call copies into a block kept per
-(group, device), runs in place there and copies out, as FSDP2's all-gather does.
+"""Collectives that hand the backend the same buffers on every request: oneCCL registers every buffer an XPU
+collective is handed and keeps it, and after ``empty_cache()`` activations land at new addresses. Staged, a call
+copies into a block kept per (group, device), runs in place there and copies out, as FSDP2's all-gather does.
 """
 
 from __future__ import annotations
@@ -110,6 +108,8 @@ class Collectives:
                 )
             yield None
             return
+        if not self.staged_calls:
+            logger.info("[PERSISTENT_COLLECTIVES] persistent buffers in use in this process (first: %s)", name)
         block.busy, self.staged_calls = True, self.staged_calls + 1
         try:
             yield block
