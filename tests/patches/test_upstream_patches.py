@@ -95,7 +95,7 @@ def test_patch_0002_adds_at_most_350_non_test_lines():
 def test_there_are_two_patches_the_vae_one_then_the_whole_request_one():
     names = [patch.name for patch in upstream_patches.patch_files()]
     assert [name[:4] for name in names] == ["0001", "0002"]
-    assert "MiniMax-H3" in names[0] and "collective" in names[1]
+    assert "MiniMax-H3" in names[0] and "request-path" in names[1]
 
 
 @pytest.mark.parametrize("relative", upstream_patches.CARRIED)
