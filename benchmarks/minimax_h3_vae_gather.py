@@ -56,7 +56,7 @@ def _progress(rank: int, message: str) -> None:
 
 def _synchronize(device) -> None:
     """Wait for the device, so that a timer measures the work and not only its enqueueing."""
-    from vllm_omni.diffusion.models.minimax_h3.vae_gather import synchronize
+    from vllm_omni.distributed.collective_workspaces import synchronize
 
     synchronize(device)
 

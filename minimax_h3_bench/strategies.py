@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# vae_gather is imported where it is used, not here: the benchmark's ranks unpickle this module before
-# they set up their imports, and tests put the working tree's vae_gather first at that point.
+# vae_gather and the block are imported where they are used, not here: the benchmark's ranks unpickle this module
+# before they set up their imports, and tests put the working tree's modules first at that point.
 STRATEGIES = ("checkpoint", "recv-only", "ours")
 
 
@@ -26,10 +26,10 @@ class ReceiveOnlyTileGather:
     """Stable receive buffer, fresh send buffer: the stacked local share is a new allocation every call."""
 
     def __init__(self, parallel_state: Callable[[], dict[str, Any]]) -> None:
-        from vllm_omni.diffusion.models.minimax_h3.vae_gather import TileGatherWorkspace
+        from vllm_omni.distributed.collective_workspaces import GrowOnlyBlock
 
         self._parallel_state = parallel_state
-        self.workspace = TileGatherWorkspace()
+        self.workspace = GrowOnlyBlock()
 
     def __call__(self, tasks: list[torch.Tensor], num_tiles: int) -> list[torch.Tensor]:
         state = self._parallel_state()

@@ -51,6 +51,7 @@ def eager_checks(rank: int, world: int) -> dict[str, Any]:
     for name, call in {
         "dim": lambda: group.all_gather(tensor, dim=1),
         "src": lambda: group.broadcast(tensor, src=world),
+        "separate": lambda: group.all_gather(data(rank, (2, 3), torch.float32), dim=1, separate_tensors=True),
     }.items():
         try:
             call()
@@ -78,6 +79,15 @@ class _Block(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         reduced = self.group.all_reduce(self.linear(x))
         return torch.nn.functional.gelu(self.group.all_gather(reduced, dim=-1)) * 2
+
+
+class _InPlace(_Block):
+    """A caller that ignores the return value, as the text encoder's layers do: the reduction is in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reduced = self.linear(x)
+        self.group.all_reduce(reduced)
+        return reduced * 2
 
 
 def compile_checks(rank: int, world: int) -> dict[str, Any]:
@@ -113,6 +123,10 @@ def compile_checks(rank: int, world: int) -> dict[str, Any]:
     with torch.inference_mode():
         eager = [bits(block(x)) for x in inputs]
     report["aot_eager_equals_eager"] = eager == _aot(block, inputs)
+    in_place = _InPlace(block.group)
+    with torch.inference_mode():
+        eager = [bits(in_place(x)) for x in inputs]
+    report["in_place_compiled_equals_eager"] = eager == _aot(in_place, inputs)
     dist.barrier()
     return report
 

@@ -44,8 +44,9 @@ def test_each_coordinator_is_registered_under_its_device_groups_name(eager):
 def test_bad_arguments_raise_on_every_rank_before_any_collective_naming_the_value(eager):
     for report in eager:
         assert report["errors"] == {
-            "dim": "dim=1 is out of range for a tensor of shape (5,)",
-            "src": "src=4: expected a rank of this group, 0 <= src < 4",
+            "dim": "dim=1 for a tensor of shape (5,): expected a dim of it, 0 if separate",
+            "src": "src=4: expected a rank of this group, src < 4",
+            "separate": "dim=1 for a tensor of shape (2, 3): expected a dim of it, 0 if separate",
         }
 
 
@@ -66,3 +67,7 @@ def test_compiled_calls_reach_the_backend_through_blocks_only_when_the_switch_is
 
 def test_compiled_aot_eager_equals_the_eager_plain_module(compiled):
     assert all(report["aot_eager_equals_eager"] for report in compiled)
+
+
+def test_compiled_the_all_reduce_is_in_place_as_eager_for_a_caller_that_ignores_the_return_value(compiled):
+    assert all(report["in_place_compiled_equals_eager"] for report in compiled)

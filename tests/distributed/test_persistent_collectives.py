@@ -75,3 +75,8 @@ def test_a_rank_without_memory_runs_the_plain_collectives_alone_and_logs_each_ki
 def test_a_call_that_finds_its_block_busy_runs_on_its_own_tensors_and_leaves_the_block_alone():
     for report in results_or_raise(run_ranks(collective_ranks.busy_block, WORLD, timeout_s=300), WORLD):
         assert report == {"equal": True, "block_kept": True, "fallbacks": 1}
+
+
+def test_a_batch_nobody_waited_is_finished_by_the_next_which_reuses_its_block():
+    for report in results_or_raise(run_ranks(collective_ranks.abandoned_batch, WORLD, timeout_s=300), WORLD):
+        assert report == {"equal": True, "fallbacks": 0, "dropped_batch_landed": True}

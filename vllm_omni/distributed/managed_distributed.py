@@ -28,7 +28,7 @@ def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    if _plain(async_op) or src is None:
+    if _plain(async_op) or src is None or group_src is not None:
         return _dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
     platform_collectives().broadcast(tensor, src, group)
 
@@ -43,25 +43,23 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    if _plain(async_op):
+    if _plain(async_op) or not (output.is_contiguous() and input.is_contiguous()):
         return _dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
     platform_collectives().all_to_all_single(output, input, group, output_split_sizes, input_split_sizes)
 
 
 def batch_isend_irecv(p2p_op_list):
-    if _plain(False):
-        return _dist.batch_isend_irecv(p2p_op_list)
-    return platform_collectives().batch_isend_irecv(p2p_op_list)
+    return (_dist if _plain(False) else platform_collectives()).batch_isend_irecv(p2p_op_list)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
-    collectives = platform_collectives()
-    on_cpu_group = group is not None and cpu_twin(group) is group
-    if _plain(async_op) or timeout is not None or not collectives.staged or on_cpu_group:
-        return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)
     from vllm_omni.platforms import current_omni_platform
 
-    collectives.barrier(group, current_omni_platform.get_torch_device())
+    collectives, device = platform_collectives(), current_omni_platform.get_torch_device()
+    gloo_on_a_device = device.type != "cpu" and _dist.get_backend(group) == "gloo"  # no device tensors there
+    if _plain(async_op) or timeout is not None or not collectives.staged or gloo_on_a_device:
+        return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)
+    collectives.barrier(group, device)
 
 
 def _object_group(group):

@@ -56,7 +56,8 @@ class _StagedBatch:
 
     def wait(self, *args: Any) -> bool:
         while self._works:
-            self._works.pop(0).wait(*args)
+            self._works[0].wait(*args)
+            self._works.pop(0)
         if self._finish is not None:
             self._finish, finish = None, self._finish
             finish()
@@ -93,6 +94,9 @@ class Collectives:
         group = group if group is not None else dist.group.WORLD
         device = resolve_device(device)
         block = self._blocks.setdefault(group, {}).setdefault((device, role), GrowOnlyBlock())
+        if block.busy and role == "p2p":  # a batch nobody waited (its caller raised): its peers posted their match
+            with contextlib.suppress(Exception):  # its own error is its caller's, long gone
+                block.batch.wait()
         problem = "its block is in use" if block.busy else None
         if problem is None:
             try:
@@ -200,7 +204,8 @@ class Collectives:
                 _write(tensor, view)
             block.busy = False
 
-        return [_StagedBatch(list(works), finish)]
+        block.batch = _StagedBatch(list(works), finish)
+        return [block.batch]
 
 
 _PLAIN, _PERSISTENT = Collectives(persistent=False), Collectives(persistent=True)
@@ -272,8 +277,8 @@ def coordinator_all_reduce(self, input_: torch.Tensor, op=dist.ReduceOp.SUM) -> 
         return input_
     if torch.compiler.is_compiling():
         for name, reduce in _OPS.items():
-            if op == reduce and getattr(self, "collective_name", None) is not None:
-                return torch.ops.vllm_omni.all_reduce(input_, name, self.collective_name)
+            if op == reduce and getattr(self, "collective_name", None) is not None:  # in place, as eager code
+                return input_.copy_(torch.ops.vllm_omni.all_reduce(input_, name, self.collective_name))
         dist.all_reduce(input_, op=op, group=self.device_group)  # traced as torch traces it
         return input_
     return platform_collectives().all_reduce(input_, self.device_group, op)
@@ -286,8 +291,8 @@ def coordinator_all_gather(self, input_: torch.Tensor, dim: int = 0, separate_te
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return input_
-    if not -input_.dim() <= dim < input_.dim():
-        raise ValueError(f"dim={dim} is out of range for a tensor of shape {tuple(input_.shape)}")
+    if not -input_.dim() <= dim < input_.dim() or (separate_tensors and dim % input_.dim()):
+        raise ValueError(f"dim={dim} for a tensor of shape {tuple(input_.shape)}: expected a dim of it, 0 if separate")
     input_ = input_.contiguous()
     if torch.compiler.is_compiling() and by_name:
         stacked = torch.ops.vllm_omni.all_gather(input_, world_size, self.collective_name)
@@ -305,8 +310,8 @@ def coordinator_all_gather(self, input_: torch.Tensor, dim: int = 0, separate_te
 
 def coordinator_broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
     """``GroupCoordinator.broadcast`` from the group's rank ``src``, in place."""
-    if not 0 <= src < self.world_size:
-        raise ValueError(f"src={src}: expected a rank of this group, 0 <= src < {self.world_size}")
+    if src >= self.world_size:
+        raise ValueError(f"src={src}: expected a rank of this group, src < {self.world_size}")
     if self.world_size == 1:
         return input_
     return platform_collectives().broadcast(input_, self.ranks[src], self.device_group)
