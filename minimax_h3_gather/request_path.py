@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
 from types import ModuleType
 
 import torch
@@ -44,7 +43,7 @@ _METHODS = {
 _MARK = "_persistent_collectives_hook"
 
 
-class _TorchWithManagedDistributed(types.ModuleType):
+class _TorchWithManagedDistributed(ModuleType):
     """``torch`` for a module that calls ``torch.distributed.<collective>`` by its full name."""
 
     def __init__(self) -> None:

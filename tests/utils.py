@@ -4,13 +4,14 @@
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 from pathlib import Path
 
-from minimax_h3_bench import ranks
 from minimax_h3_bench.upstream_patches import TREE_ENV
+
+# Re-exported; spawned ranks put the working tree first through the runner's PREPARE, which tests/conftest.py sets.
+from tests.distributed.ranks import results_or_raise, run_ranks  # noqa: F401
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "vllm_omni" / "diffusion" / "models" / "minimax_h3"
@@ -45,7 +46,3 @@ def use_working_tree() -> None:
         stale = sys.modules.get(f"{pkg.__name__}.{module}")
         if stale is not None and Path(stale.__file__).resolve().parent != directory:
             raise RuntimeError(f"{module} was imported from {stale.__file__} before the working tree was put first")
-
-
-run_ranks = functools.partial(ranks.run_ranks, prepare=use_working_tree)
-results_or_raise = ranks.results_or_raise
