@@ -1,18 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""A census of every collective a MiniMax-H3 request makes, by component: fix off, VAE only, whole request.
+"""A census of every collective a served request makes, by component: fix off, VAE only, whole request.
 
-Serves the whole synthetic pipeline with ``vllm-omni serve`` on four CPU ranks (TP 4 + VAE patch parallel
-4 in tile mode, model-level offload; ``--layout ulysses`` or ``ring`` for sequence parallel instead of TP)
-three times, ``--requests`` identical requests each: with both fixes off, with the VAE tile gather only, and
-with the persistent-collectives layer too. The servers without and with the layer (VAE only, whole) run
-side by side and take their requests in alternating order, so that their request times pair up: the layer's
-cost. Every worker keeps a census (``minimax_h3_gather.census``): per request, component and call site, the
-calls, bytes moved, and how many buffers were fresh (new to the backend: a registration on XPU) or
-persistent across an ``empty_cache``, and memory after each request. Prints a table, writes ``census.json``
-and ``census.png``, and projects the bytes to the seed's geometry.
+Serves a whole synthetic pipeline with ``vllm-omni serve`` on four CPU ranks (VAE patch parallel 4 in tile mode,
+model-level offload, and the DiT's ``--layout``: TP 4 by default) once per run, ``--requests`` identical requests
+each: with the fixes off, with MiniMax-H3's VAE tile gather only (MiniMax-H3 alone), and with the whole-request
+fix. ``--pipeline`` picks the model: ``minimax_h3`` (default) or ``wan2_2`` (Wan2.2 text-to-video, two experts;
+``--layout cfg`` is CFG parallel 2 x Ulysses 2); with ``--model`` it is read from the checkpoint. The servers
+without and with the layer run side by side and take their requests in alternating order, so that their
+request times pair up: the layer's cost. Every worker keeps a census (``minimax_h3_gather.census``): per
+request, component and call site, the calls, bytes moved, and how many buffers were fresh (new to the backend:
+a registration on XPU) or persistent across an ``empty_cache``, and memory after each request. Prints a table,
+writes ``census.json`` and ``census.png``, and for MiniMax-H3 under TP projects the bytes to the seed's geometry.
 
     python -m benchmarks.minimax_h3_pipeline_census --requests 8 --output-dir out/census
+    python -m benchmarks.minimax_h3_pipeline_census --pipeline wan2_2 --layout ulysses --requests 3
 """
 
 from __future__ import annotations
@@ -35,20 +37,24 @@ from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV
 from vllm_omni.distributed.persistent_collectives import SWITCH_ENV
 
 MIB = 1024 * 1024
+SEQUENCE_LAYOUTS = {"tp": ("--tensor-parallel-size=4",), "ulysses": ("--usp=4",), "ring": ("--ring=4",)}
+# Each pipeline's DiT layouts on four ranks, as vLLM-Omni offers them for it.
 LAYOUTS = {
-    "tp": ("--tensor-parallel-size=4",),
-    "ulysses": ("--usp=4",),
-    "ring": ("--ring=4",),
+    "minimax_h3": SEQUENCE_LAYOUTS,
+    "wan2_2": {**SEQUENCE_LAYOUTS, "cfg": ("--cfg-parallel-size=2", "--usp=2")},
 }
+# The checkpoints' model_index.json class names vLLM-Omni serves with each pipeline (Wan2.2: text-to-video).
+CLASS_NAMES = {"MiniMaxH3Pipeline": "minimax_h3", "WanPipeline": "wan2_2"}
 COMMON_FLAGS = tuple(f for f in serve_cpu.SERVE_FLAGS if not f.startswith("--tensor-parallel-size"))
 PROMPT = "a red fox running through fresh snow"
-# Each run's switches: both fixes off, the VAE tile gather only, and the whole request.
+# Each run's switches: both fixes off, MiniMax-H3's VAE tile gather only, and the whole request.
 RUNS = {
     "off": {REUSE_ENV: "0", SWITCH_ENV: "0"},
     "vae": {REUSE_ENV: "1", SWITCH_ENV: "0"},
     "whole": {REUSE_ENV: "1", SWITCH_ENV: "1"},
 }
-PAIRED = ("whole", "vae")  # served side by side, requests interleaved: the layer on / off, paired
+# Per pipeline, its runs; the first two are served side by side, requests interleaved: the layer on / off, paired.
+PIPELINE_RUNS = {"minimax_h3": ("whole", "vae", "off"), "wan2_2": ("whole", "off")}
 # Effective device copy bandwidth for the layer's copy cost at the seed's geometry (an assumption, not measured).
 COPY_GBS = 500.0
 TOTALS = ("calls", "bytes_sent", "bytes_received", "fresh_buffers", "fresh_bytes", "persistent_buffers")
@@ -65,6 +71,8 @@ SEED = {
     "tiles": 28,
     "tile": 256,
 }
+# A Wan2.2 A14B text-to-video request at its 480p size (vLLM-Omni #6999 reports the growth for Wan2.2 on XPU).
+WAN_SEED = {"height": 480, "width": 832, "frames": 81, "steps": 2}
 
 
 def _run_dir(out: Path, layout: str, run: str) -> Path:
@@ -82,16 +90,18 @@ def serve_and_count(
     runs: tuple[str, ...],
     requests: int,
     *,
+    pipeline: str = "minimax_h3",
     device: str = "cpu",
     request: dict[str, Any] | None = None,
+    real: bool = False,
     eager: bool = False,
 ) -> dict[str, Any]:
     """One server per run, all up at once, ``requests`` identical requests each in rotating order.
 
-    Returns per run the media digests, every request's client wall time, and every rank's census.
+    ``real``: a real checkpoint (long start-up, long requests). Returns per run the media digests, every
+    request's client wall time, and every rank's census.
     """
-    real = device != "cpu" or request is not None  # a real checkpoint: long start-up, long requests
-    flags = (*COMMON_FLAGS, *LAYOUTS[layout], *(("--enforce-eager",) if eager else ()))
+    flags = (*COMMON_FLAGS, *LAYOUTS[pipeline][layout], *(("--enforce-eager",) if eager else ()))
     dirs = {run: _run_dir(out, layout, run) for run in runs}
     media: dict[str, list[bytes]] = {run: [] for run in runs}
     walls: dict[str, list[float]] = {run: [] for run in runs}
@@ -349,11 +359,18 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
     )
 
 
+def paired_runs(runs: dict[str, Any]) -> tuple[str, str] | None:
+    """The two runs served side by side: the whole fix, and the one run beside it (the VAE's only, else off)."""
+    beside = next((name for name in ("vae", "off") if name in runs), None)
+    return ("whole", beside) if "whole" in runs and beside is not None else None
+
+
 def paired_timing(runs: dict[str, Any]) -> dict[str, Any] | None:
     """Whole fix / off, per rank (wall and CPU) and at the client, over the requests after the first."""
-    if not all(name in runs for name in PAIRED):
+    paired = paired_runs(runs)
+    if paired is None:
         return None
-    on, off = (runs[name] for name in PAIRED)  # the layer on, the layer off
+    on, off = (runs[name] for name in paired)  # the layer on, the layer off
     skip = 1 if len(on["request_wall_s"]) >= 3 else 0  # request 1 warms both up, when there are pairs to spare
     if len(on["request_wall_s"]) - skip < 2:
         return None
@@ -369,7 +386,8 @@ def paired_timing(runs: dict[str, Any]) -> dict[str, Any] | None:
 def format_timing(summary: dict[str, Any]) -> list[str]:
     """Seconds per request, client wall and each rank's wall and CPU, then the paired ratios whole / vae."""
     where = f"{os.cpu_count()} CPU core(s), {serve_cpu.WORLD} ranks per server"
-    order = f"{' and '.join(PAIRED)} served side by side, in alternating order"
+    pair = paired_runs(summary["runs"]) or ()
+    order = f"{' and '.join(pair)} served side by side, in alternating order"
     text = [f"seconds per request ({where}; {order if summary['config']['side_by_side'] else 'servers in turn'})"]
     lines = [["run", "req", "client wall", *(f"rank {r} wall / CPU" for r in range(serve_cpu.WORLD))]]
     for fix, run in summary["runs"].items():
@@ -386,7 +404,7 @@ def format_timing(summary: dict[str, Any]) -> list[str]:
         return text
     pairs = next(iter(paired.values()))["pairs"]
     caution = "; with fewer than 5 pairs the interval says little" if pairs < 5 else ""
-    text.append(f"{PAIRED[0]} / {PAIRED[1]}, paired by request (target: at most 1.02x{caution}):")
+    text.append(f"{pair[0]} / {pair[1]}, paired by request (target: at most 1.02x{caution}):")
     for key, estimate in paired.items():
         text.append(f"  {key:>12}: {stats.describe(stats.Estimate(**estimate))}")
     return text
@@ -441,7 +459,14 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=8, help="identical requests per server (default 8)")
-    parser.add_argument("--layout", choices=tuple(LAYOUTS), default="tp", help="DiT parallelism (default tp)")
+    parser.add_argument(
+        "--pipeline",
+        choices=tuple(LAYOUTS),
+        default=None,
+        help="the synthetic pipeline served (default minimax_h3); with --model, read from its model_index.json",
+    )
+    layouts = sorted({layout for by_pipeline in LAYOUTS.values() for layout in by_pipeline})
+    parser.add_argument("--layout", choices=layouts, default="tp", help="DiT parallelism (default tp)")
     parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")
     parser.add_argument(
@@ -450,7 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve with --enforce-eager (default: the DiT compiled, as vLLM-Omni runs it on XPU)",
     )
     parser.add_argument(
-        "--model", type=Path, default=None, help="a downloaded MiniMax-H3 FL2VA checkpoint (default: the synthetic one)"
+        "--model",
+        type=Path,
+        default=None,
+        help="a downloaded MiniMax-H3 FL2VA or Wan2.2 text-to-video checkpoint (default: the synthetic one)",
     )
     parser.add_argument(
         "--device",
@@ -460,7 +488,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, key in (("height", "height"), ("width", "width"), ("num-frames", "frames"), ("steps", "steps")):
         parser.add_argument(
-            f"--{name}", type=int, default=None, help=f"request's {name} (default {SEED[key]} with --model)"
+            f"--{name}",
+            type=int,
+            default=None,
+            help=f"request's {name} (default with --model: {SEED[key]} for MiniMax-H3, {WAN_SEED[key]} for Wan2.2)",
         )
     return parser
 
@@ -471,7 +502,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.requests < 1:
         parser.error(f"--requests={args.requests}: expected an integer >= 1")
     if args.model is not None and not (args.model / "model_index.json").is_file():
-        parser.error(f"--model={args.model}: expected a MiniMax-H3 checkpoint directory with a model_index.json")
+        parser.error(f"--model={args.model}: expected a checkpoint directory with a model_index.json")
     if args.device == "xpu":
         import torch
 
@@ -479,6 +510,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error("--device xpu: this machine has no XPU that torch can use (torch.xpu.is_available() is False)")
         if args.model is None:
             parser.error("--device xpu needs --model PATH: the synthetic pipeline is for CPU ranks")
+    if args.model is not None:
+        pipeline = model_pipeline(args.model)
+        if pipeline is None:
+            parser.error(
+                f"--model={args.model}: expected a checkpoint of one of {sorted(CLASS_NAMES)} (model_index.json)"
+            )
+        if args.pipeline is not None and args.pipeline != pipeline:
+            parser.error(f"--pipeline={args.pipeline}: --model={args.model} is a {pipeline} checkpoint")
+        args.pipeline = pipeline
+    args.pipeline = args.pipeline or "minimax_h3"
+    if args.layout not in LAYOUTS[args.pipeline]:
+        parser.error(f"--layout={args.layout}: expected one of {sorted(LAYOUTS[args.pipeline])} for {args.pipeline}")
     sizes = {"height": args.height, "width": args.width, "num_frames": args.num_frames, "steps": args.steps}
     for name, value in sizes.items():
         if value is not None and value < 1:
@@ -488,33 +531,47 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def synthetic_checkpoint(pipeline: str, cache_dir: Path | None) -> Path:
+    if pipeline == "wan2_2":
+        from minimax_h3_bench.synthetic.wan2_2 import build_synthetic_wan2_2
+
+        return build_synthetic_wan2_2(cache_dir)
+    from minimax_h3_bench.synthetic.pipeline import build_synthetic_pipeline
+
+    return build_synthetic_pipeline(cache_dir)
+
+
+def model_pipeline(model: Path) -> str | None:
+    """The pipeline vLLM-Omni serves a checkpoint with, by its ``model_index.json``; None for any other."""
+    return CLASS_NAMES.get(json.loads((model / "model_index.json").read_text()).get("_class_name"))
+
+
 def seed_request(args: argparse.Namespace) -> dict[str, Any] | None:
-    """The request sent to a real checkpoint: the seed's size and steps unless given; None for the synthetic one."""
+    """The request sent to a real checkpoint: its pipeline's seed size and steps unless given; None if synthetic."""
     if args.model is None:
         return None
+    seed = SEED if args.pipeline == "minimax_h3" else WAN_SEED
     return {
-        "height": args.height or SEED["height"],
-        "width": args.width or SEED["width"],
-        "num_frames": args.num_frames or SEED["frames"],
-        "num_inference_steps": args.steps or SEED["steps"],
+        "height": args.height or seed["height"],
+        "width": args.width or seed["width"],
+        "num_frames": args.num_frames or seed["frames"],
+        "num_inference_steps": args.steps or seed["steps"],
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     request = seed_request(args)
-    if args.model is None:
-        from minimax_h3_bench.synthetic.pipeline import build_synthetic_pipeline
-
-        model = build_synthetic_pipeline(args.cache_dir)
-    else:
-        model = args.model
+    model = args.model if args.model is not None else synthetic_checkpoint(args.pipeline, args.cache_dir)
+    if args.model is None and args.pipeline == "wan2_2":
+        from minimax_h3_bench.synthetic.wan2_2 import REQUEST as request
+    names = PIPELINE_RUNS[args.pipeline]
     # CPU ranks can share the machine; a server on cards holds them, so the servers then run in turn.
     side_by_side = args.device == "cpu"
-    groups = [PAIRED, ("off",)] if side_by_side else [(run,) for run in RUNS]
+    groups = [names[:2], names[2:]] if side_by_side else [(run,) for run in names]
     where = f"{args.requests} requests on {serve_cpu.WORLD} {args.device.upper()} ranks each"
     runs: dict[str, Any] = {}
-    for group in groups:
+    for group in filter(None, groups):
         print(f"[census] {args.layout}: run(s) {' and '.join(group)}, {where}", file=sys.stderr)
         runs |= serve_and_count(
             model,
@@ -522,18 +579,22 @@ def main(argv: list[str] | None = None) -> int:
             args.layout,
             group,
             args.requests,
+            pipeline=args.pipeline,
             device=args.device,
             request=request,
+            real=args.model is not None or args.device != "cpu",
             eager=args.eager,
         )
-    runs = {name: runs[name] for name in RUNS}
-    synthetic_tp = args.layout == "tp" and args.model is None  # the projection's formula assumes both
+    runs = {name: runs[name] for name in RUNS if name in runs}
+    # The projection's formula is the synthetic MiniMax-H3 pipeline's, under TP.
+    synthetic_tp = args.layout == "tp" and args.model is None and args.pipeline == "minimax_h3"
     summary = {
         "config": {
+            "pipeline": args.pipeline,
             "layout": args.layout,
             "requests": args.requests,
             "world_size": serve_cpu.WORLD,
-            "runs": RUNS,
+            "runs": {name: RUNS[name] for name in runs},
             "device": args.device,
             "model": str(model),
             "request": request,

@@ -1,14 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""A census of every collective a MiniMax-H3 request makes, taken inside real serving workers.
+"""A census of every collective a served request makes, by pipeline component, taken inside real serving workers.
 
 ``vllm_omni.general_plugins`` entry point, inert unless ``VLLM_OMNI_H3_CENSUS_DIR`` names a directory. Then
-each worker watches every ``torch.distributed`` collective with a ``CollectiveLedger`` from its first
-request on, attributes each to a pipeline component by its caller, closes a release window wherever the
-platform or the adapters empty the cache, samples memory (on a device, used minus reserved; on CPU, the
-RSS), and after every request writes ``census-rank<r>.json`` there. A
-diagnostic for a few requests: on CPU ranks the ledger holds every buffer it sees, so that a freed address is
-never taken for a reused one; on a device it holds none, so the backend sees the addresses it would see anyway.
+each diffusion worker watches every ``torch.distributed`` collective with a ``CollectiveLedger`` once its model
+runner has loaded the pipeline (any pipeline: MiniMax-H3 and Wan2.2 are the ones classified by component),
+attributes each to a component by its caller, closes a release window wherever the platform or the adapters
+empty the cache, samples memory (on a device, used minus reserved; on CPU, the RSS), and after every request
+writes ``census-rank<r>.json`` there. The engine's warm-up run is booked with request 1. A diagnostic for a few
+requests: on CPU ranks the ledger holds every buffer it sees, so that a freed address is never taken for a
+reused one; on a device it holds none, so the backend sees the addresses it would see anyway.
 """
 
 from __future__ import annotations
@@ -60,38 +61,56 @@ def qualname(code: CodeType, local_names: Mapping[str, Any]) -> str:
     return f"{(owner if isinstance(owner, type) else type(owner)).__qualname__}.{code.co_name}"
 
 
+# Files whose every collective is one component's, wherever they are called from (the innermost one named wins).
+_FILES = {
+    "klvae.py": "video_vae",  # MiniMax-H3's checkpoint VAE
+    "vae_gather.py": "video_vae",
+    "autoencoder_kl_wan.py": "video_vae",
+    "distributed_vae_executor.py": "video_vae",  # vLLM-Omni's VAE tile parallelism (Wan2.2)
+    "minimax_h3_transformer.py": "dit",
+    "wan2_2_transformer.py": "dit",
+    "cfg_parallel.py": "dit",  # the CFG branches' gather, once per denoising step
+}
+_PIPELINES = ("pipeline_minimax_h3.py", "pipeline_wan2_2.py")
+_PIPELINE_WORDS = (
+    ("text_encoder", ("text", "prompt")),
+    ("audio_vae", ("audio",)),
+    ("video_vae", ("video", "image", "decode")),
+    ("dit", ("diffuse", "predict_noise")),
+)
+
+
 def classify(frame: FrameType | None) -> str:
     """The pipeline component a collective belongs to: the innermost caller that names one."""
     while frame is not None:
         path, name = frame.f_code.co_filename, qualname(frame.f_code, frame.f_locals)
         file = Path(path).name
-        if file in ("klvae.py", "vae_gather.py") or name.startswith("MiniMaxH3VideoVAE"):
+        if file in _FILES:
+            return _FILES[file]
+        if name.startswith("MiniMaxH3VideoVAE"):
             return "video_vae"
         if file == "parallel.py" and "transformers_modules" in path:  # the checkpoint's var-shape gather
             return "video_vae"
         if "audio_vae" in file or name.startswith("MiniMaxH3AudioVAE"):
             return "audio_vae"
-        if file == "minimax_h3_transformer.py":
-            return "dit"
         if file == "encoder.py" and "minimax_h3" in path:
             return "text_encoder"
-        if file == "pipeline_minimax_h3.py" and not name.endswith(_PIPELINE_HELPERS):
+        if file in _PIPELINES and not name.endswith(_PIPELINE_HELPERS):
             lowered = name.lower()
-            for component, words in (("text_encoder", ("text", "prompt")), ("audio_vae", ("audio",))):
+            for component, words in _PIPELINE_WORDS:
                 if any(word in lowered for word in words):
                     return component
-            if any(word in lowered for word in ("video", "image", "decode")):
-                return "video_vae"
         frame = frame.f_back
     return "other"
 
 
 def compile_record(pipeline: Any) -> dict[str, Any]:
-    """Whether the DiT's blocks ran as Dynamo-compiled code, and the graph breaks Dynamo counted in this process."""
+    """Whether every DiT's blocks ran as Dynamo-compiled code, and the graph breaks Dynamo counted in this process."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
-    blocks = list(getattr(getattr(pipeline, "transformer", None), "blocks", None) or [])
+    dits = [getattr(pipeline, name, None) for name in ("transformer", "transformer_2")]  # Wan2.2 has two experts
+    blocks = [block for dit in dits for block in (getattr(dit, "blocks", None) or [])]
     codes = {type(block).forward.__code__ for block in blocks}
     return {
         "dit_compiled": bool(codes) and all(_debug_get_cache_entry_list(code) for code in codes),
@@ -121,17 +140,17 @@ def _marking_releases(ledger: CollectiveLedger) -> Callable[[Callable], Callable
 
 
 def register() -> None:
-    """Hook the MiniMax-H3 pipeline's ``forward`` and both ways of emptying the cache in this worker.
+    """Hook the diffusion model runner's ``load_model`` and both ways of emptying the cache in this process.
 
     The adapters call ``torch.accelerator.empty_cache()`` themselves; the offloader calls the platform's.
     """
     directory = census_dir()
     if directory is None:
         return
-    from vllm_omni.diffusion.models.minimax_h3.pipeline_minimax_h3 import MiniMaxH3Pipeline
+    from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
     from vllm_omni.platforms import current_omni_platform
 
-    if getattr(MiniMaxH3Pipeline.forward, _MARK, False):
+    if getattr(DiffusionModelRunner.load_model, _MARK, False):
         return
     # Off a CPU run the ledger only counts: holding real buffers would change the addresses the backend sees.
     on_cpu = current_omni_platform.device_type == "cpu" or not torch.accelerator.is_available()
@@ -143,45 +162,47 @@ def register() -> None:
         platform_empty_cache = mark(platform.empty_cache)
         platform.empty_cache = classmethod(lambda cls: platform_empty_cache())
     torch.accelerator.empty_cache = mark(torch.accelerator.empty_cache)
-    forward = MiniMaxH3Pipeline.forward
+    books: dict[str, list] = {"timing": [], "persistent_collectives": [], "memory": [], "compile": []}
+    load_model = DiffusionModelRunner.load_model
 
-    timing: list[dict[str, float]] = []
-    layer_stats: list[dict[str, int] | None] = []
-    memory: list[dict[str, Any]] = []
-    compiled: list[dict[str, Any]] = []
+    @functools.wraps(load_model)
+    def load_and_count(self, *args, **kwargs):
+        load_model(self, *args, **kwargs)
+        pipeline = getattr(self, "pipeline", None)
+        if pipeline is not None and not getattr(type(pipeline).forward, _MARK, False):
+            type(pipeline).forward = _counting(type(pipeline).forward, ledger, device, directory, books)
+        if not ledger.active:
+            # From the pipeline's load on: what a worker does before its first request (the engine's warm-up, a
+            # scheduler's object broadcast) is booked with request 1, so that request 2 sees it as a reuse.
+            ledger.__enter__()
+
+    setattr(load_and_count, _MARK, True)
+    DiffusionModelRunner.load_model = load_and_count
+    logger.info("[H3_CENSUS] counting every collective per request into %s", directory)
+
+
+def _counting(forward: Callable, ledger: CollectiveLedger, device, directory: Path, books: dict[str, list]):
+    from vllm_omni.diffusion.request import DUMMY_DIFFUSION_REQUEST_ID
 
     @functools.wraps(forward)
-    def counted_forward(self, *args, **kwargs):
-        if not ledger.active:
-            ledger.__enter__()  # at the latest from the first request on; the worker's lifetime ends it
+    def counted_forward(self, batch, *args, **kwargs):
+        if set(getattr(batch, "request_ids", ())) == {DUMMY_DIFFUSION_REQUEST_ID}:  # the warm-up: not a request
+            return forward(self, batch, *args, **kwargs)
         wall, cpu = time.perf_counter(), time.process_time()
         try:
-            return forward(self, *args, **kwargs)
+            return forward(self, batch, *args, **kwargs)
         finally:
             # This worker's wall and process CPU seconds for the request, the census's own bookkeeping included.
-            timing.append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
+            books["timing"].append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
             ledger.end_request()
             collectives = persistent_collectives.platform_collectives()
-            layer_stats.append(collectives.stats() if collectives.staged else None)  # since start-up
-            memory.append(memory_record(device))
-            compiled.append(compile_record(self))
-            books = {"timing": timing, "persistent_collectives": layer_stats, "memory": memory, "compile": compiled}
+            books["persistent_collectives"].append(collectives.stats() if collectives.staged else None)
+            books["memory"].append(memory_record(device))
+            books["compile"].append(compile_record(self))
             _write(directory, ledger, books)
 
     setattr(counted_forward, _MARK, True)
-    MiniMaxH3Pipeline.forward = counted_forward
-    init = MiniMaxH3Pipeline.__init__
-
-    @functools.wraps(init)
-    def init_and_count(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if not ledger.active:
-            # From the pipeline's construction on: what a worker does before its first forward (a scheduler's
-            # object broadcast, say) is booked with request 1, so that request 2 sees it as a reuse, not a first.
-            ledger.__enter__()
-
-    MiniMaxH3Pipeline.__init__ = init_and_count
-    logger.info("[H3_CENSUS] counting every collective per request into %s", directory)
+    return counted_forward
 
 
 def _write(directory: Path, ledger: CollectiveLedger, per_request: dict[str, list]) -> None:

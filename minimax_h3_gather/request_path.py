@@ -31,6 +31,7 @@ MODULES = {
     "vllm_omni.diffusion.models.minimax_h3.chunked_decode": ("dist",),
     "vllm_omni.diffusion.distributed.comm": ("dist",),
     "vllm_omni.diffusion.attention.parallel.ulysses": ("dist",),
+    "vllm_omni.diffusion.distributed.autoencoders.distributed_vae_executor": ("dist",),  # VAE tile parallelism
 }
 _METHODS = {
     "all_reduce": (persistent_collectives.coordinator_all_reduce, ["self", "input_", "op"]),

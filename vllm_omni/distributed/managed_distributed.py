@@ -43,13 +43,19 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    even = output_split_sizes is None and input_split_sizes is None
+    if torch.compiler.is_compiling() and even and not async_op:  # traced: the registered op stages it when run
+        group_name = (group if group is not None else _dist.group.WORLD).group_name
+        output.copy_(torch.ops.vllm_omni.all_to_all(input.contiguous(), group_name))
+        return None
     if _plain(async_op) or not (output.is_contiguous() and input.is_contiguous()):
         return _dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
     platform_collectives().all_to_all_single(output, input, group, output_split_sizes, input_split_sizes)
 
 
+@torch.compiler.disable  # Dynamo breaks the graph at a batch anyway; run eagerly, it is staged
 def batch_isend_irecv(p2p_op_list):
-    return (_dist if _plain(False) else platform_collectives()).batch_isend_irecv(p2p_op_list)
+    return platform_collectives().batch_isend_irecv(p2p_op_list)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):

@@ -54,6 +54,7 @@ class _StagedBatch:
     def __init__(self, works: list, finish) -> None:
         self._works, self._finish = works, finish
 
+    @torch.compiler.disable  # eager, as the works it waits for
     def wait(self, *args: Any) -> bool:
         while self._works:
             self._works[0].wait(*args)
@@ -225,15 +226,12 @@ def platform_collectives() -> Collectives:
     return choose() if callable(choose) else collectives_for(current_omni_platform.device_type)
 
 
-# Coordinators by their device group's name, for the ops; each CPU group stands in for its device group's
-# object collectives.
-_coordinators: dict[str, weakref.ref] = {}
+# Each CPU group stands in for its device group's object collectives.
 _cpu_twins: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def register_coordinator(coordinator: Any) -> None:
-    coordinator.collective_name = coordinator.device_group.group_name
-    _coordinators[coordinator.collective_name] = weakref.ref(coordinator)
+    coordinator.collective_name = coordinator.device_group.group_name  # how the ops find its group
     _cpu_twins[coordinator.device_group] = _cpu_twins[coordinator.cpu_group] = coordinator.cpu_group
     if coordinator.world_size == dist.get_world_size():  # the default group spans the same ranks
         _cpu_twins.setdefault(dist.group.WORLD, coordinator.cpu_group)
@@ -245,9 +243,7 @@ def cpu_twin(group: Any) -> Any:
 
 
 def _device_group(group_name: str) -> Any:
-    if (coordinator := _coordinators[group_name]()) is None:
-        raise RuntimeError(f"the process group {group_name!r} was destroyed")
-    return coordinator.device_group
+    return dist.distributed_c10d._resolve_process_group(group_name)  # as torch's functional collectives do
 
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -265,9 +261,16 @@ def _all_gather_op(tensor: torch.Tensor, world_size: int, group_name: str) -> to
     return platform_collectives().all_gather_into_tensor(out, tensor, _device_group(group_name))
 
 
+@torch.library.custom_op("vllm_omni::all_to_all", mutates_args=())
+def _all_to_all_op(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    out = torch.empty_like(tensor)
+    return platform_collectives().all_to_all_single(out, tensor, _device_group(group_name))
+
+
 _all_reduce_op.register_fake(lambda tensor, op, group_name: torch.empty_like(tensor))
 _all_gather_op.register_fake(lambda t, world_size, group_name: t.new_empty((world_size * t.shape[0], *t.shape[1:])))
-for _op in (_all_reduce_op, _all_gather_op):
+_all_to_all_op.register_fake(lambda tensor, group_name: torch.empty_like(tensor))
+for _op in (_all_reduce_op, _all_gather_op, _all_to_all_op):
     torch.fx.node.has_side_effect(_op._opoverload)  # every rank runs it, used or not: never dead code
 
 

@@ -25,8 +25,8 @@ import types
 _QWEN2_VL = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 
 
-class _Unavailable(types.ModuleType):
-    """A torchaudio module whose every attribute is a function that raises when called."""
+class Unavailable(types.ModuleType):
+    """A module whose every attribute is a function that raises when called: for a package with no CPU build here."""
 
     __version__ = "0+cpu-test-stand-in"
 
@@ -36,8 +36,8 @@ class _Unavailable(types.ModuleType):
 
         def unavailable(*args, **kwargs):
             raise RuntimeError(
-                f"{self.__name__}.{name} was called, but torchaudio is a test stand-in here (no torchaudio build "
-                "for torch 2.13.0+cpu); the CPU test platform does not support this request"
+                f"{self.__name__}.{name} was called, but {self.__name__.partition('.')[0]} is a test stand-in here "
+                "(no build of it loads beside torch 2.13.0+cpu); the CPU test platform does not support this request"
             )
 
         return unavailable
@@ -64,7 +64,7 @@ class _StandIns(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         )
 
     def create_module(self, spec):
-        return _Unavailable(spec.name) if spec.name.startswith("torchaudio") else None
+        return Unavailable(spec.name) if spec.name.startswith("torchaudio") else None
 
     def exec_module(self, module) -> None:
         if module.__name__ == "torchaudio":

@@ -31,6 +31,7 @@ def _wrap(owner, name: str, make):
 def apply() -> None:
     if not active():
         return
+    _import_wan2_2_without_torchvision()
     import vllm.model_executor.layers.utils as layer_utils
 
     from vllm_omni.diffusion.attention.backends.ring import ring_kernels
@@ -39,8 +40,10 @@ def apply() -> None:
     from vllm_omni.diffusion.worker import diffusion_worker
 
     # vLLM's CPU linear layers prepack their weights and delete ``.weight``; the MiniMax-H3 text encoder slices
-    # ``qkv_proj.weight`` and ``gate_up_proj.weight`` directly (``minimax_h3/encoder.py``). Keep the weights.
-    _wrap(layer_utils, "dispatch_cpu_unquantized_gemm", lambda f: lambda layer, remove_weight: f(layer, False))
+    # ``qkv_proj.weight`` and ``gate_up_proj.weight`` directly (``minimax_h3/encoder.py``). And at the synthetic
+    # checkpoints' small widths the prepacked kernel is sgl-kernel's ``weight_packed_linear``, whose fake (traced)
+    # output is 2-D for a 3-D input, which breaks Wan2.2's compiled blocks. Keep the weights and torch's linear.
+    _wrap(layer_utils, "dispatch_cpu_unquantized_gemm", lambda f: _torch_linear)
 
     # ``Qwen3VLProcessor.from_pretrained`` builds a video processor that needs torchvision, which does not load
     # beside torch+cpu; the pipeline uses only the processor's ``image_processor`` (PIL works).
@@ -70,6 +73,42 @@ def apply() -> None:
 
 
 _resident: weakref.WeakSet = weakref.WeakSet()
+_TORCHVISION = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+
+
+def _import_wan2_2_without_torchvision() -> None:
+    """Import ``vllm_omni.diffusion.models.wan2_2`` with a torchvision that raises when called, then forget it.
+
+    The package imports its image- and speech-to-video pipelines, which import torchvision at module level
+    (``pipeline_wan2_2_i2v.py``, ``pipeline_wan2_2_s2v.py``); torchvision does not load beside torch+cpu and
+    text-to-video never calls it. The stand-in is in ``sys.modules`` only during that import, after transformers
+    and diffusers are loaded: while it is there, their availability checks would take it for the real package.
+    """
+    import sys
+
+    import diffusers  # noqa: F401
+    import transformers
+    from transformers import AutoTokenizer, UMT5EncoderModel  # noqa: F401  (what wan2_2 takes from transformers)
+
+    from .startup import Unavailable
+
+    if "vllm_omni.diffusion.models.wan2_2" in sys.modules or transformers.utils.is_torchvision_available():
+        return
+    stand_ins = {name: Unavailable(name) for name in _TORCHVISION}
+    for name, module in stand_ins.items():
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(stand_ins[parent], child, module)
+    sys.modules.update(stand_ins)
+    try:
+        import vllm_omni.diffusion.models.wan2_2  # noqa: F401
+    finally:
+        for name in _TORCHVISION:
+            sys.modules.pop(name, None)
+
+
+def _torch_linear(layer, remove_weight: bool) -> None:
+    layer.cpu_linear = torch.nn.functional.linear
 
 
 def _platform_empty_cache() -> None:

@@ -1,0 +1,90 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""What each gloo rank runs for the sequence-parallel tests: vLLM-Omni's Ulysses all-to-all and Ring exchange
+(``diffusion/distributed/comm.py``) compiled as a DiT block compiles them (Wan2.2's attention is inside its
+compiled blocks), eager as the oracle."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed.collective_ranks import BackendRecorder, bits, data
+
+SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
+
+
+def _comm() -> Any:
+    """``comm`` with ``managed_distributed`` as its ``dist``: its own in a patched tree, bound as the plugin does."""
+    from vllm_omni.diffusion.distributed import comm
+    from vllm_omni.distributed import managed_distributed
+
+    if comm.dist is not managed_distributed:  # a release, not patch 0002
+        from minimax_h3_gather import request_path
+
+        assert request_path.rebind_module(comm)
+    return comm
+
+
+class _Ulysses(torch.nn.Module):
+    """Ulysses attention's pattern: heads for sequence, a head-local op, and back (two even all-to-alls)."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group, self.comm = group, _comm()
+        self.linear = torch.nn.Linear(8, 8)
+        torch.nn.init.normal_(self.linear.weight, generator=torch.Generator().manual_seed(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.comm.SeqAllToAll4D.apply(self.group, self.linear(x), 2, 1)
+        return self.comm.SeqAllToAll4D.apply(self.group, torch.nn.functional.gelu(heads) * 2, 1, 2)
+
+
+class _Ring(_Ulysses):
+    """Ring attention's pattern: pass this rank's block to the next rank, take the previous rank's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ring = self.comm.RingComm(self.group)
+        received = ring.send_recv(self.linear(x))
+        ring.commit()
+        ring.wait()
+        return received * 2 + x
+
+
+def compile_checks(rank: int, world: int) -> dict[str, Any]:
+    """Both patterns compiled with Inductor and ``aot_eager`` (dynamic shapes, inference mode), switch off and on."""
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    torch._inductor.config.force_disable_caches = True  # a cached graph must not hide a regression
+    torch.set_num_threads(1)
+    inputs = [data(rank, (1, rows, 4, 8), torch.float32, salt=rows) for rows in (2, 4)]
+    report: dict[str, Any] = {}
+    for name, module in (("ulysses", _Ulysses(dist.group.WORLD)), ("ring", _Ring(dist.group.WORLD))):
+        os.environ[SWITCH_ENV] = "0"
+        with torch.inference_mode():
+            eager = [bits(module(x)) for x in inputs]
+        for backend in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(module, backend=backend, dynamic=True, fullgraph=name == "ulysses")
+            runs: dict[str, Any] = {}
+            for switch in ("0", "1"):
+                os.environ[SWITCH_ENV] = switch
+                recorder = BackendRecorder()
+                with torch.inference_mode(), recorder:
+                    runs[switch] = [bits(compiled(x)) for x in inputs]
+                (request,) = recorder.summary()
+                runs[f"unmanaged{switch}"] = request["unmanaged"]
+                runs[f"breaks{switch}"] = sum(counters["graph_break"].values())
+            report[f"{name}/{backend}"] = {
+                "equal": runs["0"] == runs["1"],
+                "equal_to_eager": runs["1"] == eager,  # Inductor may fuse into other roundings: aot_eager's only
+                "graph_breaks": (runs["breaks0"], runs["breaks1"]),
+                "unmanaged": (runs["unmanaged0"], runs["unmanaged1"]),
+            }
+    dist.barrier()
+    return report
