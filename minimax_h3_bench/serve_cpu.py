@@ -1,12 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""``vllm-omni serve`` on CPU ranks with the synthetic MiniMax-H3 pipeline, and an HTTP client for it.
+"""``vllm-omni serve`` on CPU ranks with a synthetic pipeline, and an HTTP client for it.
 
 CPU ranks need the test-only vLLM-Omni platform in ``tests/cpu_platform`` (``scripts/setup_env.sh`` installs
-it into the CPU venvs; the product never does). Run as a script, it serves the tiny checkpoint, sends one
-text-to-video+audio request and prints where the gather fix was applied:
+it into the CPU venvs; the product never does). Run as a script, it serves a tiny checkpoint, sends one
+request and prints where the fix was applied: MiniMax-H3 text-to-video+audio (TP 4) by default, or Wan2.2
+text-to-video (Ulysses 4) with ``--pipeline wan2_2``:
 
     python -m minimax_h3_bench.serve_cpu --output-dir out/serve_cpu
+    python -m minimax_h3_bench.serve_cpu --pipeline wan2_2 --output-dir out/serve_cpu_wan2_2
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ SERVE_FLAGS = (
     "--vae-parallel-mode=tile",
     "--vae-use-tiling",
     "--enable-cpu-offload",
+)
+# Wan2.2 on the same ranks: Ulysses 4 in place of TP (its attention all-to-alls run in its compiled blocks).
+WAN2_2_FLAGS = tuple(f for f in SERVE_FLAGS if not f.startswith(("--tensor-parallel-size", "--trust"))) + (
+    f"--usp={WORLD}",
 )
 RECEIPT_LOGGING = {
     "VLLM_LOGGING_LEVEL": "DEBUG",  # the gather's per-call receipts
@@ -139,7 +145,7 @@ def stop(server: Server, grace_s: float = 60) -> None:
 
 
 def request_video(server: Server, prompt: str, seed: int, request: dict | None = None, timeout_s: float = 600) -> bytes:
-    """One synchronous text-to-video+audio request; returns the MP4 (video and audio muxed)."""
+    """One synchronous text-to-video request (MiniMax-H3's synthetic one unless given); returns the MP4."""
     import requests
 
     from .synthetic.pipeline import REQUEST
@@ -163,13 +169,15 @@ class Media:
 
 
 def media_info(mp4: bytes) -> Media:
+    """The video's size and frames, and its audio's channels and rate (0 and 0 without audio)."""
     import av
 
     with av.open(io.BytesIO(mp4)) as container:
         video = container.streams.video[0]
-        audio = container.streams.audio[0]
+        audio = container.streams.audio[0] if container.streams.audio else None
         frames = sum(1 for _ in container.decode(video=0))
-        return Media(video.codec_context.width, video.codec_context.height, frames, audio.channels, audio.rate)
+        channels, rate = (audio.channels, audio.rate) if audio is not None else (0, 0)
+        return Media(video.codec_context.width, video.codec_context.height, frames, channels, rate)
 
 
 def _without_colours(log: str) -> str:
@@ -196,10 +204,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-dir", type=Path, default=Path("out/serve_cpu"))
     parser.add_argument("--prompt", default="a red fox running through fresh snow")
+    parser.add_argument("--pipeline", choices=("minimax_h3", "wan2_2"), default="minimax_h3")
     args = parser.parse_args(argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    if args.pipeline == "wan2_2":
+        return _serve_wan2_2(args)
     from .synthetic.pipeline import build_synthetic_pipeline
 
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     model = build_synthetic_pipeline()
     print(f"[serve_cpu] serving {model} on {WORLD} CPU ranks (takes about a minute to start)", file=sys.stderr)
     with serve(model, args.output_dir / "server.log", reuse="1") as server:
@@ -215,6 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  ... {gathers} tile gathers served by the reused workspace in all, {allocs} workspace allocation(s)")
     print(f"video: {media_info(mp4)} -> {args.output_dir / 't2va.mp4'}")
     return 0 if counts["installs"] == WORLD and counts["gathers"] > 0 else 1
+
+
+def _serve_wan2_2(args: argparse.Namespace) -> int:
+    from .synthetic.wan2_2 import REQUEST, build_synthetic_wan2_2
+
+    model = build_synthetic_wan2_2()
+    print(f"[serve_cpu] serving {model} on {WORLD} CPU ranks (takes about a minute to start)", file=sys.stderr)
+    with serve(model, args.output_dir / "server.log", reuse="1", flags=WAN2_2_FLAGS) as server:
+        mp4 = request_video(server, args.prompt, 0, REQUEST)
+    (args.output_dir / "t2v.mp4").write_bytes(mp4)
+    log = _without_colours((args.output_dir / "server.log").read_text(errors="replace"))
+    print("where the fix was applied (from the server log):")
+    print(*(f"  {line}" for line in log.splitlines() if "[PERSISTENT_COLLECTIVES]" in line), sep="\n")
+    print(f"video: {media_info(mp4)} -> {args.output_dir / 't2v.mp4'}")
+    return 0 if len(receipt_pids(log, "layer_installs")) == WORLD else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""The census of the synthetic Wan2.2 text-to-video checkpoint (two experts), served on four CPU ranks with the
+fix off and with the whole-request fix, DiT compiled, in each layout vLLM-Omni offers for it. CI runs Ulysses
+and Ring (their collectives run inside the compiled blocks); TP and CFG parallel run with ``--full-census``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import minimax_h3_pipeline_census as census_bench
+from minimax_h3_gather.census import COMPONENTS
+
+pytestmark = [
+    pytest.mark.advanced_model,
+    pytest.mark.cpu,
+    pytest.mark.diffusion,
+    pytest.mark.distributed,
+    pytest.mark.integration,
+]
+
+REQUESTS = 3
+# Each layout and the collective on the DiT's sites that only it makes.
+LAYOUTS = {
+    "ulysses": "all_to_all_single",
+    "ring": "batch_isend_irecv",
+    "tp": "all_reduce",
+    "cfg": "all_gather_single",
+}
+CI_LAYOUTS = ("ulysses", "ring")
+
+
+@pytest.fixture(
+    scope="module",
+    params=[
+        layout if layout in CI_LAYOUTS else pytest.param(layout, marks=pytest.mark.full_census) for layout in LAYOUTS
+    ],
+)
+def census(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"census-{request.param}")
+    cache = tmp_path_factory.getbasetemp() / "wan2_2"
+    argv = ["--pipeline", "wan2_2", "--layout", request.param, "--requests", str(REQUESTS), "--output-dir", str(out)]
+    code = census_bench.main([*argv, "--cache-dir", str(cache)])
+    return request.param, code, json.loads((out / "census.json").read_text())
+
+
+def _requests(summary, fix):
+    return [(r["rank"], i, q) for r in summary["runs"][fix]["ranks"] for i, q in enumerate(r["requests"])]
+
+
+def test_exits_zero_with_media_identical_with_the_fix_off_and_on(census):
+    _, code, summary = census
+    assert code == 0 and summary["media_identical"] and list(summary["runs"]) == ["off", "whole"]
+    assert summary["config"]["pipeline"] == "wan2_2" and summary["projection"] is None
+    assert len(set(summary["runs"]["whole"]["media_sha256"])) == 1  # identical requests, identical media
+
+
+def test_with_the_fix_no_component_hands_the_backend_a_fresh_buffer_after_request_1(census):
+    _, _, summary = census
+    for rank, index, request in _requests(summary, "whole"):
+        for component, totals in census_bench.by_component(request).items():
+            if index > 0:
+                assert totals["fresh_buffers"] == 0 and totals["fresh_bytes"] == 0, (rank, index, component)
+    for rank, _, request in _requests(summary, "off"):  # without it, the DiT and the VAE do on every request
+        totals = census_bench.by_component(request)
+        assert totals["dit"]["fresh_buffers"] > 0 and totals["video_vae"]["fresh_buffers"] > 0, rank
+
+
+def test_with_the_fix_no_request_has_an_unmanaged_site_and_without_it_the_dit_and_vae_have(census):
+    layout, _, summary = census
+    assert summary["unmanaged_sites"]["whole"] == {}
+    sites = summary["unmanaged_sites"]["off"]
+    assert any(LAYOUTS[layout] == site.split(" @ ")[0] for site in sites), sites
+    assert any("distributed_vae_executor.py" in site for site in sites), sites
+
+
+def test_the_layouts_collectives_are_the_dits_and_the_vae_tiles_are_gathered_on_every_rank(census):
+    layout, _, summary = census
+    for fix in ("off", "whole"):
+        for rank, index, request in _requests(summary, fix):
+            ops = {site.split(" @ ")[0] for site in request["books"]["dit"]}
+            assert LAYOUTS[layout] in ops, (fix, rank, index, ops)
+            assert census_bench.by_component(request)["video_vae"]["calls"] > 0
+            assert set(request["books"]) <= set(COMPONENTS) and request["bookkeeping_errors"] == 0
+
+
+def test_both_experts_run_every_request_with_the_offloads_release_between_them(census):
+    _, _, summary = census
+    for fix in ("off", "whole"):
+        for _, index, request in _requests(summary, fix):
+            if index == 0:  # request 1 also holds the engine's warm-up
+                continue
+            steps = [step for step in request["timeline"] if step != "other"]
+            order = [step for i, step in enumerate(steps) if i == 0 or steps[i - 1] != step]
+            assert order == ["release", "dit", "release", "dit", "release", "video_vae"], request["timeline"]
+
+
+def test_the_persistent_collectives_stop_allocating_after_request_1_and_never_fall_back(census):
+    _, _, summary = census
+    for rank in summary["runs"]["whole"]["ranks"]:
+        rows = census_bench.layer_per_request(rank)
+        assert len(rows) == REQUESTS and rows[0]["block_allocations"] > 0
+        assert [r["block_allocations"] for r in rows[1:]] == [0] * (REQUESTS - 1)
+        assert all(r["fallbacks"] == 0 and r["staged_calls"] > 0 for r in rows)
+    assert all(census_bench.layer_per_request(r) == [] for r in summary["runs"]["off"]["ranks"])
+
+
+def test_both_runs_compile_both_experts_with_the_same_graph_breaks(census):
+    _, _, summary = census
+    for fix in ("off", "whole"):
+        for rank in summary["runs"][fix]["ranks"]:
+            assert [c["dit_compiled"] for c in rank["compile"]] == [True] * REQUESTS, (fix, rank["rank"])
+    breaks = {fix: [r["graph_breaks"] for r in ranks] for fix, ranks in summary["compile"].items()}
+    assert breaks["off"] == breaks["whole"], breaks
