@@ -60,15 +60,17 @@ CARRIED_LAST = (
             "ranks.py",
             "collective_ranks.py",
             "coordinator_ranks.py",
+            "sequence_parallel_ranks.py",
             "test_persistent_collectives.py",
             "test_group_coordinator.py",
+            "test_sequence_parallel.py",
         )
     ),
 )
 CARRIED = tuple(dict.fromkeys(CARRIED_FIRST + CARRIED_LAST))
 UPSTREAM_TESTS = ("tests/diffusion/models/minimax_h3", "tests/distributed")
 # Run from this checkout against the patched tree: the serve test needs the project's synthetic pipeline.
-CHECKOUT_TESTS = ("tests/e2e/test_minimax_h3_serve_cpu.py",)
+CHECKOUT_TESTS = ("tests/e2e/test_minimax_h3_serve_cpu.py", "tests/e2e/test_wan2_2_serve_cpu.py")
 # The tree has no pytest configuration of its own; upstream's registers these markers.
 PYTEST_INI = """[pytest]
 addopts = --strict-markers -q -p no:cacheprovider

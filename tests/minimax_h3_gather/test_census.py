@@ -80,6 +80,7 @@ def _frame_from(path: str, qualname: str, inner: tuple[str, str] | None = None):
 
 SITE = "/venv/site-packages/vllm_omni/diffusion/models/minimax_h3"
 REMOTE = "/root/.cache/huggingface/modules/transformers_modules/video_vae"
+WAN = "/venv/site-packages/vllm_omni/diffusion"
 
 
 @pytest.mark.parametrize(
@@ -105,6 +106,25 @@ REMOTE = "/root/.cache/huggingface/modules/transformers_modules/video_vae"
         (f"{SITE}/vae.py", "MiniMaxH3AudioVAE.decode", None, "audio_vae"),
         ("/x/audio_vae/modeling_minimax_h3_audio_vae.py", "AudioAutoencoder.decode", None, "audio_vae"),
         ("/venv/site-packages/vllm_omni/diffusion/worker/diffusion_worker.py", "WorkerProc.run", None, "other"),
+        (f"{WAN}/models/wan2_2/pipeline_wan2_2.py", "Wan22Pipeline.encode_prompt", None, "text_encoder"),
+        (
+            f"{WAN}/models/wan2_2/wan2_2_transformer.py",
+            "WanTransformer3DModel.forward",
+            (f"{WAN}/distributed/comm.py", "all_to_all_4D"),
+            "dit",
+        ),
+        (
+            f"{WAN}/models/wan2_2/pipeline_wan2_2.py",
+            "Wan22Pipeline.diffuse",
+            (f"{WAN}/distributed/cfg_parallel.py", "CFGParallelMixin.predict_noise_maybe_with_cfg"),
+            "dit",
+        ),
+        (
+            f"{WAN}/models/wan2_2/pipeline_wan2_2.py",
+            "Wan22Pipeline.forward",
+            (f"{WAN}/distributed/autoencoders/distributed_vae_executor.py", "DistributedVaeExecutor.gather_tensors"),
+            "video_vae",
+        ),
     ],
 )
 def test_each_collective_is_attributed_to_the_component_of_its_innermost_named_caller(path, qualname, inner, component):
@@ -124,6 +144,7 @@ def test_the_census_switch_is_strict(monkeypatch, tmp_path):
 
 def test_without_the_switch_the_plugin_hooks_nothing(monkeypatch):
     from vllm_omni.diffusion.models.minimax_h3 import pipeline_minimax_h3
+    from vllm_omni.diffusion.worker.diffusion_model_runner import DiffusionModelRunner
     from vllm_omni.platforms import current_omni_platform
 
     monkeypatch.delenv(census.CENSUS_ENV, raising=False)
@@ -133,6 +154,7 @@ def test_without_the_switch_the_plugin_hooks_nothing(monkeypatch):
         chain.append(chain[-1].__wrapped__)
     assert chain[-1].__code__.co_filename == pipeline_minimax_h3.__file__
     assert not any(hasattr(fn, census._MARK) for fn in chain)
+    assert not hasattr(DiffusionModelRunner.load_model, census._MARK)
     assert not hasattr(torch.accelerator.empty_cache, census._MARK)
     assert not hasattr(getattr(type(current_omni_platform), "empty_cache", None), census._MARK)
 

@@ -14,6 +14,7 @@ from importlib.metadata import version
 import pytest
 
 from minimax_h3_bench import upstream_patches
+from minimax_h3_gather import request_path
 from tests.utils import REPO_ROOT
 
 pytestmark = [
@@ -47,12 +48,8 @@ def test_the_adapter_installs_the_fix_itself_and_keeps_none_of_its_own_override(
 
 
 COORDINATOR = "vllm_omni/diffusion/distributed/group_coordinator.py"
-REQUEST_PATH = (
-    "vllm_omni/diffusion/models/minimax_h3/pipeline_minimax_h3.py",
-    "vllm_omni/diffusion/models/minimax_h3/chunked_decode.py",
-    "vllm_omni/diffusion/distributed/comm.py",
-    "vllm_omni/diffusion/attention/parallel/ulysses.py",
-)
+# The modules the plugin binds on a release (``request_path.MODULES``) are the ones the patch edits.
+REQUEST_PATH = tuple(f"{name.replace('.', '/')}.py" for name in request_path.MODULES)
 
 
 def test_the_coordinator_routes_its_collectives_through_the_platform_and_registers_every_instance(patched):
@@ -76,7 +73,7 @@ def test_the_worker_is_as_released_no_process_wide_install(patched):
     assert "persistent_collectives" not in worker and "install_persistent_collectives" not in worker
 
 
-def test_patch_0002_adds_at_most_350_non_test_lines():
+def test_patch_0002_adds_at_most_360_non_test_lines():
     text = upstream_patches.patch_files()[1].read_text()
     added, current = 0, ""
     for line in text.splitlines():
@@ -89,7 +86,7 @@ def test_patch_0002_adds_at_most_350_non_test_lines():
             and not current.startswith("tests/")
         ):
             added += 1
-    assert 0 < added <= 350, added
+    assert 0 < added <= 360, added  # 349 for MiniMax-H3, 8 more for Wan2.2's compiled all-to-all and VAE tiles
 
 
 def test_there_are_two_patches_the_vae_one_then_the_whole_request_one():
