@@ -73,6 +73,8 @@ _SKIP_FILES = (
     str(Path(dist.__file__).parent),
     str(Path(torch._dynamo.__file__).parent),  # the frames of torch._dynamo.disable
     str(Path(torch._library.__file__).parent),  # the kernel of an opaque op: its caller is the compiled frame
+    str(Path(torch.__file__).with_name("_compile.py")),  # the dynamo-disabled wrapper an op's kernel runs in
+    str(Path(torch.__file__).with_name("_ops.py")),
     __file__,
     persistent_collectives.__file__,
     managed_distributed.__file__,
