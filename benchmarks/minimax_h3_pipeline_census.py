@@ -551,12 +551,17 @@ def seed_request(args: argparse.Namespace) -> dict[str, Any] | None:
     if args.model is None:
         return None
     seed = SEED if args.pipeline == "minimax_h3" else WAN_SEED
-    return {
+    request = {
         "height": args.height or seed["height"],
         "width": args.width or seed["width"],
         "num_frames": args.num_frames or seed["frames"],
         "num_inference_steps": args.steps or seed["steps"],
     }
+    if args.pipeline == "wan2_2":  # true CFG, so that --layout cfg has both branches to split
+        from minimax_h3_bench.synthetic.wan2_2 import REQUEST
+
+        request |= {key: REQUEST[key] for key in ("guidance_scale", "negative_prompt")}
+    return request
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -251,7 +251,9 @@ def test_the_seed_table_has_per_rank_growth_between_consecutive_requests_for_eac
     [
         (["--requests", "0"], "--requests=0"),
         (["--layout", "pp"], "invalid choice"),
-        (["--model", "/no/such/checkpoint"], "--model=/no/such/checkpoint: expected a MiniMax-H3 checkpoint"),
+        (["--model", "/no/such/checkpoint"], "--model=/no/such/checkpoint: expected a checkpoint directory"),
+        (["--layout", "cfg"], "--layout=cfg: expected one of ['ring', 'tp', 'ulysses'] for minimax_h3"),
+        (["--pipeline", "flux"], "invalid choice: 'flux'"),
         (["--height", "768"], "--height, --width, --num-frames and --steps need --model"),
         (["--device", "gpu"], "invalid choice: 'gpu'"),
     ],
@@ -270,8 +272,35 @@ def test_device_xpu_without_an_xpu_is_refused_at_once(capsys, tmp_path):
     assert "--device xpu: this machine has no XPU that torch can use" in capsys.readouterr().err
 
 
+def _checkpoint(path, class_name):
+    path.mkdir(exist_ok=True)
+    (path / "model_index.json").write_text(json.dumps({"_class_name": class_name}))
+    return str(path)
+
+
+def test_a_checkpoint_of_another_pipeline_or_against_pipeline_is_refused_naming_it(capsys, tmp_path):
+    for argv, message in (
+        (["--model", _checkpoint(tmp_path / "flux", "FluxPipeline")], "expected a checkpoint of one of"),
+        (
+            ["--model", _checkpoint(tmp_path / "wan", "WanPipeline"), "--pipeline", "minimax_h3"],
+            "is a wan2_2 checkpoint",
+        ),
+    ):
+        with pytest.raises(SystemExit) as exc:
+            census_bench.parse_args(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_wan2_2_checkpoint_is_served_as_wan2_2_with_its_own_request_and_true_cfg(tmp_path):
+    args = census_bench.parse_args(["--model", _checkpoint(tmp_path, "WanPipeline"), "--layout", "cfg"])
+    assert args.pipeline == "wan2_2"
+    request = census_bench.seed_request(args)
+    assert (request["height"], request["width"], request["num_frames"]) == (480, 832, 81)
+    assert request["guidance_scale"] > 1 and request["negative_prompt"]
+
+
 def test_a_real_checkpoint_gets_the_seeds_request_unless_told_otherwise(tmp_path):
-    (tmp_path / "model_index.json").write_text("{}")
+    _checkpoint(tmp_path, "MiniMaxH3Pipeline")
     args = census_bench.parse_args(["--model", str(tmp_path), "--steps", "4"])
     assert census_bench.seed_request(args) == {
         "height": 768,

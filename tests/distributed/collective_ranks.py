@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +92,19 @@ class BackendRecorder:
             rows.append({"calls": len(calls), "fresh": len(handed - seen), "unmanaged": len(unmanaged)})
             seen |= handed
         return rows
+
+
+SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
+
+
+def run_switched(switch: str, module: Callable, inputs: list[torch.Tensor]) -> tuple[list[bytes], dict[str, int]]:
+    """``module`` on each input in inference mode with the switch set: the results' bits and the recorded calls."""
+    os.environ[SWITCH_ENV] = switch
+    recorder = BackendRecorder()
+    with torch.inference_mode(), recorder:
+        results = [bits(module(x)) for x in inputs]
+    (request,) = recorder.summary()
+    return results, request
 
 
 def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0) -> torch.Tensor:

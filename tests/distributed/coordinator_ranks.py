@@ -10,9 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.distributed.collective_ranks import BackendRecorder, bits, data
-
-SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
+from tests.distributed.collective_ranks import SWITCH_ENV, BackendRecorder, bits, data, run_switched
 
 
 def coordinator(rank: int, world: int) -> Any:
@@ -106,11 +104,7 @@ def compile_checks(rank: int, world: int) -> dict[str, Any]:
         compiled = torch.compile(block, backend=backend, dynamic=True, fullgraph=True)
         runs = {}
         for switch in ("0", "1"):
-            os.environ[SWITCH_ENV] = switch
-            recorder = BackendRecorder()
-            with torch.inference_mode(), recorder:
-                runs[switch] = [bits(compiled(x)) for x in inputs]
-            (request,) = recorder.summary()
+            runs[switch], request = run_switched(switch, compiled, inputs)
             runs[f"calls{switch}"] = request["calls"]
             runs[f"unmanaged{switch}"] = request["unmanaged"]
         report[backend] = {

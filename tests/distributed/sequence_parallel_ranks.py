@@ -12,9 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.distributed.collective_ranks import BackendRecorder, bits, data
-
-SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
+from tests.distributed.collective_ranks import SWITCH_ENV, bits, data, run_switched
 
 
 def _comm() -> Any:
@@ -73,11 +71,7 @@ def compile_checks(rank: int, world: int) -> dict[str, Any]:
             compiled = torch.compile(module, backend=backend, dynamic=True, fullgraph=name == "ulysses")
             runs: dict[str, Any] = {}
             for switch in ("0", "1"):
-                os.environ[SWITCH_ENV] = switch
-                recorder = BackendRecorder()
-                with torch.inference_mode(), recorder:
-                    runs[switch] = [bits(compiled(x)) for x in inputs]
-                (request,) = recorder.summary()
+                runs[switch], request = run_switched(switch, compiled, inputs)
                 runs[f"unmanaged{switch}"] = request["unmanaged"]
                 runs[f"breaks{switch}"] = sum(counters["graph_break"].values())
             report[f"{name}/{backend}"] = {
