@@ -13,6 +13,7 @@ import json
 import pytest
 
 from benchmarks import minimax_h3_pipeline_census as census_bench
+from minimax_h3_bench import serve_cpu
 from minimax_h3_gather.census import COMPONENTS
 
 pytestmark = [
@@ -44,7 +45,7 @@ def census(request, tmp_path_factory):
     cache = tmp_path_factory.getbasetemp() / "wan2_2"
     argv = ["--pipeline", "wan2_2", "--layout", request.param, "--requests", str(REQUESTS), "--output-dir", str(out)]
     code = census_bench.main([*argv, "--cache-dir", str(cache)])
-    return request.param, code, json.loads((out / "census.json").read_text())
+    return request.param, code, json.loads((out / "census.json").read_text()), out
 
 
 def _requests(summary, fix):
@@ -52,14 +53,14 @@ def _requests(summary, fix):
 
 
 def test_exits_zero_with_media_identical_with_the_fix_off_and_on(census):
-    _, code, summary = census
+    _, code, summary, _ = census
     assert code == 0 and summary["media_identical"] and list(summary["runs"]) == ["off", "whole"]
     assert summary["config"]["pipeline"] == "wan2_2" and summary["projection"] is None
     assert len(set(summary["runs"]["whole"]["media_sha256"])) == 1  # identical requests, identical media
 
 
 def test_with_the_fix_no_component_hands_the_backend_a_fresh_buffer_after_request_1(census):
-    _, _, summary = census
+    _, _, summary, _ = census
     for rank, index, request in _requests(summary, "whole"):
         for component, totals in census_bench.by_component(request).items():
             if index > 0:
@@ -70,7 +71,7 @@ def test_with_the_fix_no_component_hands_the_backend_a_fresh_buffer_after_reques
 
 
 def test_with_the_fix_no_request_has_an_unmanaged_site_and_without_it_the_dit_and_vae_have(census):
-    layout, _, summary = census
+    layout, _, summary, _ = census
     assert summary["unmanaged_sites"]["whole"] == {}
     sites = summary["unmanaged_sites"]["off"]
     assert any(LAYOUTS[layout] in site for site in sites), sites
@@ -78,7 +79,7 @@ def test_with_the_fix_no_request_has_an_unmanaged_site_and_without_it_the_dit_an
 
 
 def test_the_layouts_collectives_are_the_dits_and_the_vae_tiles_are_gathered_on_every_rank(census):
-    layout, _, summary = census
+    layout, _, summary, _ = census
     for fix in ("off", "whole"):
         for rank, index, request in _requests(summary, fix):
             sites = list(request["books"]["dit"])
@@ -88,7 +89,7 @@ def test_the_layouts_collectives_are_the_dits_and_the_vae_tiles_are_gathered_on_
 
 
 def test_both_experts_run_every_request_with_the_offloads_release_between_them(census):
-    _, _, summary = census
+    _, _, summary, _ = census
     for fix in ("off", "whole"):
         for _, index, request in _requests(summary, fix):
             if index == 0:  # request 1 also holds the engine's warm-up
@@ -99,7 +100,7 @@ def test_both_experts_run_every_request_with_the_offloads_release_between_them(c
 
 
 def test_the_persistent_collectives_stop_allocating_after_request_1_and_never_fall_back(census):
-    _, _, summary = census
+    _, _, summary, _ = census
     for rank in summary["runs"]["whole"]["ranks"]:
         rows = census_bench.layer_per_request(rank)
         assert len(rows) == REQUESTS and rows[0]["block_allocations"] > 0
@@ -109,9 +110,20 @@ def test_the_persistent_collectives_stop_allocating_after_request_1_and_never_fa
 
 
 def test_both_runs_compile_both_experts_with_the_same_graph_breaks(census):
-    _, _, summary = census
+    _, _, summary, _ = census
     for fix in ("off", "whole"):
         for rank in summary["runs"][fix]["ranks"]:
             assert [c["dit_compiled"] for c in rank["compile"]] == [True] * REQUESTS, (fix, rank["rank"])
     breaks = {fix: [r["graph_breaks"] for r in ranks] for fix, ranks in summary["compile"].items()}
     assert breaks["off"] == breaks["whole"], breaks
+
+
+def test_every_worker_and_only_the_workers_use_persistent_buffers_with_the_fix_and_compile_both_experts(census):
+    layout, _, _, out = census
+    for fix in ("off", "whole"):
+        log = (out / f"{layout}-{fix}" / "server.log").read_text(errors="replace")
+        layer = serve_cpu.receipt_pids(log, "layer_installs")
+        compiling = serve_cpu.receipt_pids(log, "dit_compile")
+        assert len(compiling) == serve_cpu.WORLD and set(compiling.values()) == {2}, (fix, compiling)
+        assert layer == ({pid: 1 for pid in compiling} if fix == "whole" else {}), (fix, layer)
+        assert "Traceback" not in log
