@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed import collective_ranks
+from tests.distributed import collective_ranks, contract_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
@@ -77,6 +77,91 @@ def test_a_call_that_finds_its_block_busy_runs_on_its_own_tensors_and_leaves_the
         assert report == {"equal": True, "block_kept": True, "fallbacks": 1}
 
 
-def test_a_batch_nobody_waited_is_finished_by_the_next_which_reuses_its_block():
-    for report in results_or_raise(run_ranks(collective_ranks.abandoned_batch, WORLD, timeout_s=300), WORLD):
-        assert report == {"equal": True, "fallbacks": 0, "dropped_batch_landed": True}
+def test_batches_nobody_waited_keep_their_blocks_until_the_pool_is_full_then_the_oldest_is_finished_and_reused():
+    for report in results_or_raise(run_ranks(contract_ranks.abandoned_batches, WORLD, timeout_s=300), WORLD):
+        assert report["equal"] and report["fallbacks"] == 0
+        assert report["blocks"] == (8, 8)  # MAX_BATCHES: the pool never grows past it
+        assert report["landed"] == [True] + [False] * 7  # the oldest was finished to make room, once
+
+
+def test_batches_in_flight_are_posted_at_once_as_torch_posts_them_and_each_finished_by_its_own_wait():
+    # Each rank's receive that matches its peer's first batch is in its own second batch: waiting for the first
+    # batch before posting the second would stall every rank until the group timeout (30 s here).
+    reported = run_ranks(contract_ranks.batches_in_flight, 3, timeout_s=120, pg_timeout_s=30)
+    for report in results_or_raise(reported, 3):
+        assert report["equal"] and report["fallbacks"] == 0
+        assert report["slowest_s"] < 10, report["slowest_s"]
+        assert report["blocks"] == 2 and report["allocations"] == 2  # a pool of two, reused by every later request
+
+
+def test_the_staged_batchs_work_answers_wait_is_completed_exception_and_future_as_a_plain_gloo_batch_does():
+    for report in results_or_raise(run_ranks(contract_ranks.batch_work, 3, timeout_s=300), 3):
+        assert (
+            report["wait"]["staged"]
+            == report["wait"]["plain"]
+            == {
+                "received": True,
+                "completed": (False, True),
+                "exception": [],
+            }
+        )
+        assert report["future"]["staged"] == report["future"]["plain"] == {"raised": "Work::getFuture not implemented."}
+        assert report["fallbacks"] == 0
+
+
+def test_on_a_group_this_rank_is_not_in_every_kind_returns_and_leaves_its_tensors_as_plain_does():
+    for rank, report in enumerate(results_or_raise(run_ranks(contract_ranks.non_member, WORLD, timeout_s=300), WORLD)):
+        assert report["staged"]["outcome"] == report["plain"]["outcome"] == "ok", rank
+        if rank >= 2:
+            assert report["staged"]["untouched"] and report["plain"]["untouched"], rank
+
+
+@pytest.fixture(scope="module")
+def capped():
+    return results_or_raise(run_ranks(contract_ranks.capped_blocks, WORLD, timeout_s=600), WORLD)
+
+
+def test_calls_above_the_cap_go_in_chunks_through_a_block_within_the_cap_with_the_plain_bits(capped):
+    for report in capped:
+        assert report["equal"] == dict.fromkeys(("broadcast", "all_gather", "all_to_all", "all_reduce_int"), True)
+        assert report["chunked_calls"] == 2 * 4  # every kind, both requests
+        assert 0 < report["resident_bytes"] <= 1 << 20 and report["allocations"] == 1
+
+
+def test_a_float_sum_on_more_than_two_ranks_is_staged_whole_above_the_cap_because_chunks_change_its_bits(capped):
+    for report in capped:
+        assert report["chunks_would_differ"], "gloo's order of summation no longer depends on the message size"
+        assert report["float_equal"] and report["float_resident_bytes"] > 1 << 20
+
+
+def test_on_two_ranks_a_float_sum_goes_in_chunks_with_the_plain_bits():
+    for report in results_or_raise(run_ranks(contract_ranks.capped_blocks_two_ranks, 2, timeout_s=300), 2):
+        assert report == {"equal": True, "chunked_calls": 1, "resident_bytes": 1 << 20}
+
+
+def test_a_rank_without_a_block_runs_the_same_chunks_on_its_own_tensors_so_no_peer_hangs():
+    for rank, report in enumerate(results_or_raise(run_ranks(contract_ranks.capped_fallback, WORLD), WORLD)):
+        assert report["equal"], rank
+        assert report["fallbacks"] == (4 if rank == 1 else 0), rank
+
+
+def test_a_block_used_on_another_stream_is_ordered_after_its_last_use_before_it_is_written():
+    (report,) = results_or_raise(run_ranks(contract_ranks.streams, 1, timeout_s=120), 1)
+    copies = ["copy on main", "copy on main"]
+    assert report["log"] == [
+        "call on main",
+        *copies,
+        "call on main",
+        *copies,
+        "call on side",
+        "side waits for main",
+        "copy on side",
+        "copy on side",
+        "call on side",
+        "copy on side",
+        "copy on side",
+        "call on main",
+        "main waits for side",
+        *copies,
+    ]
+    assert report["blocks"] == 1

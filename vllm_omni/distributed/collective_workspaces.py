@@ -32,6 +32,13 @@ def synchronize(device: torch.device) -> None:
         torch.get_device_module(device.type).synchronize(device)
 
 
+def current_stream(device: torch.device) -> Any:
+    """The stream work on ``device`` is queued on now; None where there are no streams."""
+    if device.type in ("cpu", "meta"):
+        return None
+    return torch.get_device_module(device.type).current_stream(device)
+
+
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -64,10 +71,14 @@ class GrowOnlyBlock:
     ``busy`` marks a collective still running on it; a caller that finds it busy uses its own tensors instead.
     """
 
+    _MAX_VIEWS = 64  # views kept per block: a view costs more host time to build than most copies into it
+
     def __init__(self) -> None:
         self.block: torch.Tensor | None = None
         self.allocs = 0
         self.busy = False
+        self.stream: Any = None  # the stream of its last use, where the device has streams
+        self._views: dict[tuple, torch.Tensor] = {}
 
     nbytes = property(lambda self: 0 if self.block is None else self.block.numel())
     data_ptr = property(lambda self: 0 if self.block is None else self.block.data_ptr())
@@ -87,13 +98,30 @@ class GrowOnlyBlock:
 
     def view(self, shape, dtype: torch.dtype, offset: int = 0, strides: tuple[int, ...] | None = None) -> torch.Tensor:
         """A ``dtype`` view of ``shape`` at byte ``offset`` (a multiple of ``ALIGN``): row-major, or laid out
-        densely with ``strides``."""
-        numel = torch.Size(shape).numel()
-        flat = self.block[offset : offset + numel * dtype.itemsize].view(dtype)
-        return flat.view(shape) if strides is None else flat.as_strided(shape, strides)
+        densely with ``strides``. Never hand it to a caller: it aliases the block."""
+        key = (shape, dtype, offset, strides)
+        view = self._views.get(key)
+        if view is None:
+            numel = torch.Size(shape).numel()
+            flat = self.block[offset : offset + numel * dtype.itemsize].view(dtype)
+            view = flat.view(shape) if strides is None else flat.as_strided(shape, strides)
+            if len(self._views) >= self._MAX_VIEWS:
+                self._views.clear()
+            self._views[key] = view
+        return view
+
+    def use_on(self, device: torch.device) -> None:
+        """Order a use on ``device``'s current stream after the last use, where that was on another stream: the last
+        use's copies out are queued there, and this use writes the block."""
+        stream = current_stream(device)
+        if stream is not None:
+            if self.stream is not None and stream != self.stream:
+                stream.wait_stream(self.stream)
+            self.stream = stream
 
     def drop(self) -> None:
         """Free the block once the device is done with it: old and new blocks never coexist."""
         if self.block is not None:
             synchronize(self.block.device)  # collectives and copies queued on it finish before the memory is reused
-            self.block = None
+            self.block, self.stream = None, None
+            self._views.clear()

@@ -3,13 +3,17 @@
 """Collectives that hand the backend the same buffers on every request: oneCCL registers every buffer an XPU
 collective is handed and keeps it, and after ``empty_cache()`` activations land at new addresses. Staged, a call
 copies into a block kept per (group, device), runs in place there and copies out, as FSDP2's all-gather does.
+A call larger than ``VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB`` goes through its block in chunks where
+chunks keep the plain collective's bits, and whole where they would not.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,6 +25,10 @@ from .collective_workspaces import ALIGN, GrowOnlyBlock, aligned, resolve_device
 logger = init_logger(__name__)
 
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
+CAP_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB"
+DEFAULT_CAP_MIB = 64  # vLLM's symmetric-memory all-reduce stages up to 32-64 MiB
+MAX_BATCHES = 8  # point-to-point batches in flight per group; a further one first finishes the oldest
+_NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 
 
 def switch_mode() -> str:
@@ -31,15 +39,37 @@ def switch_mode() -> str:
     return value
 
 
+_caps: dict[str | None, int] = {}
+
+
+def block_cap() -> int:
+    """Bytes a block holds at most where chunks keep the bits; set it alike on every rank."""
+    raw = os.environ.get(CAP_ENV)
+    cap = _caps.get(raw)
+    if cap is None:
+        text = str(DEFAULT_CAP_MIB) if raw is None else raw.strip()
+        if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
+            raise ValueError(f"{CAP_ENV}={raw!r} is not valid; expected a whole number of MiB, at least 1")
+        cap = _caps[raw] = int(text) << 20
+    return cap
+
+
 def _write(destination: torch.Tensor, source: torch.Tensor) -> None:
     """Copy as a backend writes: outside autograd, into inference tensors too."""
+    if not (destination.requires_grad or source.requires_grad) and (
+        torch.is_inference_mode_enabled() or not destination.is_inference()
+    ):
+        destination.copy_(source)  # nothing for autograd to record: the common case, without context managers
+        return
     inference = destination.is_inference() and not torch.is_inference_mode_enabled()
     with torch.no_grad(), torch.inference_mode() if inference else contextlib.nullcontext():
         destination.copy_(source)
 
 
 def _layout(tensor: torch.Tensor) -> tuple[int, ...] | None:
-    """The caller's strides where its elements are dense (a backend reduces them in memory order), else row-major."""
+    """The caller's strides where its elements are dense (a backend reduces them in memory order), else None."""
+    if tensor.is_contiguous():
+        return tensor.stride()
     expected = 1
     for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz != 1):
         if stride != expected:
@@ -48,182 +78,341 @@ def _layout(tensor: torch.Tensor) -> tuple[int, ...] | None:
     return tensor.stride()
 
 
-class _StagedBatch:
-    """The one work of a staged point-to-point batch: ``wait()`` waits for all of it, then copies receives out."""
+def _chunks_keep_bits(tensor: torch.Tensor, op: Any, group: Any) -> bool:
+    """Whether reducing in chunks gives the whole reduction's bits: a backend's order of summation depends on the
+    message size (gloo's ring, NCCL's channels), so only integers and floating-point sums of two ranks are safe."""
+    if not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        return True
+    return op == dist.ReduceOp.SUM and dist.get_world_size(group) == 2
 
-    def __init__(self, works: list, finish) -> None:
-        self._works, self._finish = works, finish
+
+class _StagedBatch(dist.Work):
+    """The one work of a staged point-to-point batch. Its receives land in the caller's tensors when it is waited,
+    or seen complete (``is_completed``, its future, or the next batch on its group)."""
+
+    def __init__(self, works: list, receives: list[tuple[torch.Tensor, torch.Tensor]], block: GrowOnlyBlock) -> None:
+        super().__init__()
+        self._works, self._receives, self._block = works, receives, block
+
+    def _land(self) -> None:
+        if self._block is not None:
+            block, self._block = self._block, None
+            for tensor, view in self._receives:
+                _write(tensor, view)
+            block.busy = False
 
     @torch.compiler.disable  # eager, as the works it waits for
-    def wait(self, *args: Any) -> bool:
-        while self._works:
-            self._works[0].wait(*args)
-            self._works.pop(0)
-        if self._finish is not None:
-            self._finish, finish = None, self._finish
-            finish()
+    def wait(self, *timeout: Any) -> bool:
+        for work in self._works:
+            work.wait(*timeout)
+        self._land()
         return True
+
+    synchronize = block_current_stream = wait  # as on a device backend; gloo's are no-ops
+
+    def is_completed(self) -> bool:
+        if not all(work.is_completed() for work in self._works):
+            return False
+        self._land()
+        return True
+
+    def exception(self) -> Any:
+        return next((error for error in (work.exception() for work in self._works) if error is not None), None)
+
+    def get_future(self) -> torch.futures.Future:
+        landed = torch.futures.collect_all([work.get_future() for work in self._works])
+        return landed.then(lambda _: (self._land(), [tensor for tensor, _ in self._receives])[1])
 
 
 class Collectives:
     """Synchronous collectives whose results land in the caller's tensors; ``persistent`` stages them in blocks.
 
-    A rank that cannot get its block (no memory, or in use) runs the plain collective on its own tensors: the wire
-    collective is the same, so its peers never notice. Each such collective is logged once.
+    A rank that cannot get its block (no memory, or in use) runs the same collectives on its own tensors: the wire
+    collectives are the same, so its peers never notice. Each such collective is logged once.
     """
 
     def __init__(self, persistent: bool) -> None:
         self.staged = persistent
-        self._blocks: weakref.WeakKeyDictionary[Any, dict[tuple, GrowOnlyBlock]] = weakref.WeakKeyDictionary()
-        self.staged_calls = self.fallbacks = 0
+        self._blocks: weakref.WeakKeyDictionary[Any, dict[torch.device, GrowOnlyBlock]] = weakref.WeakKeyDictionary()
+        self._batches: weakref.WeakKeyDictionary[Any, dict[torch.device, list]] = weakref.WeakKeyDictionary()
+        self.staged_calls = self.chunked_calls = self.fallbacks = self.payload_bytes = self.staged_bytes = 0
+        self._posted = 0
         self._logged: set[str] = set()
 
     def blocks(self) -> list[GrowOnlyBlock]:
-        return [block for by_key in list(self._blocks.values()) for block in by_key.values()]
+        singles = [block for by_device in list(self._blocks.values()) for block in by_device.values()]
+        pools = [pool for by_device in list(self._batches.values()) for pool in by_device.values()]
+        return singles + [block for pool in pools for block in pool]
 
     def stats(self) -> dict[str, int]:
-        blocks, counts = self.blocks(), {"staged_calls": self.staged_calls, "fallbacks": self.fallbacks}
+        blocks = self.blocks()
+        counts = {"staged_calls": self.staged_calls, "chunked_calls": self.chunked_calls, "fallbacks": self.fallbacks}
+        traffic = {"payload_bytes": self.payload_bytes, "staged_bytes": self.staged_bytes}
         resident = {"block_allocations": sum(b.allocs for b in blocks), "resident_bytes": sum(b.nbytes for b in blocks)}
-        return {**counts, "blocks": len(blocks), **resident}
+        return {**counts, **traffic, "blocks": len(blocks), **resident, "block_cap_bytes": block_cap()}
 
-    @contextlib.contextmanager
-    def _block(self, name: str, group: Any, device: torch.device, nbytes: int, role: str = "collective"):
-        """This call's block, busy until the call is done; None where it runs on the caller's tensors."""
-        if not self.staged:
-            yield None
-            return
-        group = group if group is not None else dist.group.WORLD
-        device = resolve_device(device)
-        block = self._blocks.setdefault(group, {}).setdefault((device, role), GrowOnlyBlock())
-        if block.busy and role == "p2p":  # a batch nobody waited (its caller raised): its peers posted their match
-            with contextlib.suppress(Exception):  # its own error is its caller's, long gone
-                block.batch.wait()
-        problem = "its block is in use" if block.busy else None
-        if problem is None:
+    def _once(self, key: str, message: str, *args: Any) -> None:
+        if key not in self._logged:
+            self._logged.add(key)
+            logger.warning("[PERSISTENT_COLLECTIVES] %s", message % args)
+
+    def _fall_back(self, name: str, problem: str) -> None:
+        self.fallbacks += 1
+        self._once(name, "%s ran on the caller's tensors on this rank: %s", name, problem)
+
+    def _acquire(self, name: str, group: Any, device: torch.device, nbytes: int) -> GrowOnlyBlock | None:
+        """The call's block, busy until the caller frees it; None where the call runs on the caller's tensors."""
+        if device.index is None and device.type not in ("cpu", "meta"):
+            device = resolve_device(device)
+        by_device = self._blocks.get(group if group is not None else dist.group.WORLD)
+        if by_device is None:
+            by_device = self._blocks[group if group is not None else dist.group.WORLD] = {}
+        block = by_device.get(device)
+        if block is None:
+            block = by_device[device] = GrowOnlyBlock()
+        if block.busy:
+            return self._fall_back(name, "its block is in use")
+        return self._lease(name, block, group, device, nbytes)
+
+    def _lease(self, name: str, block: GrowOnlyBlock, group: Any, device: torch.device, nbytes: int):
+        if block.block is None or block.nbytes < nbytes or block.block.device != device:
             try:
                 block.ensure(aligned(nbytes), device, group)
             except Exception as error:  # OutOfMemoryError on a device, RuntimeError on CPU: this rank goes plain
-                problem = f"no block of {nbytes} bytes on {device}: {error}"
-        if problem is not None:
-            self.fallbacks += 1
-            if name not in self._logged:
-                self._logged.add(name)
-                logger.warning(
-                    "[PERSISTENT_COLLECTIVES] %s ran on the caller's tensors on this rank: %s", name, problem
-                )
-            yield None
-            return
+                return self._fall_back(name, f"no block of {nbytes} bytes on {device}: {error}")
+        block.use_on(device)
         if not self.staged_calls:
             logger.info("[PERSISTENT_COLLECTIVES] persistent buffers in use in this process (first: %s)", name)
-        block.busy, self.staged_calls = True, self.staged_calls + 1
+        self.staged_calls += 1
+        block.busy = True
+        return block
+
+    def _copy(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        _write(destination, source)
+        self.staged_bytes += source.nbytes
+
+    def _chunked(self, name: str, group: Any, flat: torch.Tensor, run: Callable, copy_in: bool, copy_out: bool):
+        """``run`` on consecutive pieces of the 1-D ``flat``, staged through a block of at most the cap."""
+        step = block_cap() // flat.element_size()
+        block = self._acquire(name, group, flat.device, min(step, flat.numel()) * flat.element_size())
         try:
-            yield block
-        except BaseException:
-            block.busy = False
-            raise
-        block.busy = role == "p2p"  # a batch's block stays busy until the batch is waited
+            for start in range(0, flat.numel(), step):
+                part = flat[start : start + step]
+                staged = part if block is None else block.view((part.numel(),), flat.dtype)
+                if staged is not part and copy_in:
+                    self._copy(staged, part)
+                run(staged)
+                if staged is not part and copy_out:
+                    self._copy(part, staged)
+        finally:
+            if block is not None:
+                block.busy = False
+        self.chunked_calls += 1
 
-    def all_reduce(self, tensor, group, op=dist.ReduceOp.SUM, out=None) -> torch.Tensor:
-        result = tensor if out is None else out
-        with self._block("all_reduce", group, tensor.device, tensor.nbytes) as block:
-            staged = result if block is None else block.view(tensor.shape, tensor.dtype, strides=_layout(tensor))
-            if staged is not tensor:
-                _write(staged, tensor)
+    def all_reduce(self, tensor: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """In place, in the tensor's own memory order, as the backend reduces it."""
+        if not self.staged or group is _NON_MEMBER or (strides := _layout(tensor)) is None:
+            dist.all_reduce(tensor, op=op, group=group)  # a gapped tensor fails or passes exactly as it would
+            return tensor
+        self.payload_bytes += tensor.nbytes
+        if tensor.nbytes > block_cap():
+            if _chunks_keep_bits(tensor, op, group):
+                flat = tensor.as_strided((tensor.numel(),), (1,))  # dense: its storage span, in memory order
+                self._chunked("all_reduce", group, flat, lambda part: dist.all_reduce(part, op, group), True, True)
+                return tensor
+            self._once("whole", "all_reduce of %d bytes is staged whole, above the %d-byte cap: chunks would change "
+                       "its floating-point sums on more than two ranks", tensor.nbytes, block_cap())  # fmt: skip
+        block = self._acquire("all_reduce", group, tensor.device, tensor.nbytes)
+        if block is None:
+            dist.all_reduce(tensor, op=op, group=group)
+            return tensor
+        try:
+            staged = block.view(tensor.shape, tensor.dtype, strides=strides)
+            self._copy(staged, tensor)
             dist.all_reduce(staged, op=op, group=group)
-            if staged is not result:
-                _write(result, staged)
-        return result
-
-    def all_gather_into_tensor(self, output, input, group) -> torch.Tensor:
-        """``input`` and ``output`` contiguous; ``output`` holds every rank's ``input`` in rank order."""
-        with self._block("all_gather_into_tensor", group, input.device, output.nbytes) as block:
-            if block is None:
-                dist.all_gather_single(output, input, group=group)
-                return output
-            gathered = block.view((output.numel(),), output.dtype)
-            mine = gathered.narrow(0, dist.get_rank(group) * input.numel(), input.numel())
-            _write(mine.view(input.shape), input)
-            dist.all_gather_single(gathered, mine, group=group)  # in place: this rank's slot is the input
-            _write(output, gathered.view(output.shape))
-        return output
-
-    def broadcast(self, tensor, src, group) -> torch.Tensor:
-        """From global rank ``src``, in place."""
-        with self._block("broadcast", group, tensor.device, tensor.nbytes) as block:
-            staged = tensor if block is None else block.view(tensor.shape, tensor.dtype, strides=_layout(tensor))
-            if staged is not tensor and dist.get_rank() == src:
-                _write(staged, tensor)
-            dist.broadcast(staged, src=src, group=group)
-            if staged is not tensor and dist.get_rank() != src:
-                _write(tensor, staged)
+            self._copy(tensor, staged)
+        finally:
+            block.busy = False
         return tensor
 
-    def all_to_all_single(self, output, input, group, output_split_sizes=None, input_split_sizes=None):
-        """``input`` and ``output`` contiguous, split along dim 0."""
-        splits = (output_split_sizes, input_split_sizes)
-        with self._block("all_to_all_single", group, input.device, aligned(input.nbytes) + output.nbytes) as block:
-            if block is None:
-                dist.all_to_all_single(output, input, *splits, group=group)
-                return output
-            sent = block.view(input.shape, input.dtype)
-            received = block.view(output.shape, output.dtype, offset=aligned(input.nbytes))
-            _write(sent, input)
-            dist.all_to_all_single(received, sent, *splits, group=group)
-            _write(output, received)
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> torch.Tensor:
+        """From global rank ``src``, in place."""
+        if not self.staged or group is _NON_MEMBER or not tensor.numel() or _layout(tensor) is None:
+            dist.broadcast(tensor, src=src, group=group)
+            return tensor
+        self.payload_bytes += tensor.nbytes
+        mine = dist.get_rank() == src
+        flat = tensor.as_strided((tensor.numel(),), (1,))
+        self._chunked("broadcast", group, flat, lambda part: dist.broadcast(part, src, group), mine, not mine)
+        return tensor
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> torch.Tensor:
+        """``input`` and ``output`` contiguous; ``output`` holds every rank's ``input`` in rank order."""
+        if not self.staged or group is _NON_MEMBER or not input.numel():
+            dist.all_gather_single(output, input, group=group)
+            return output
+        self.payload_bytes += output.nbytes
+        world, rank, numel, size = dist.get_world_size(group), dist.get_rank(group), input.numel(), input.element_size()
+        step = max(1, min(numel, block_cap() // (world * size)))  # elements per rank and chunk
+        block = self._acquire("all_gather_into_tensor", group, input.device, world * step * size)
+        if block is None and step == numel:
+            dist.all_gather_single(output, input, group=group)
+            return output
+        flat, rows = input.view(-1), output.view(world, numel)
+        try:
+            for start in range(0, numel, step):
+                width = min(step, numel - start)
+                gathered = block.view((world * width,), input.dtype) if block else output.new_empty(world * width)
+                slot = gathered.narrow(0, rank * width, width)
+                self._copy(slot, flat[start : start + width])
+                dist.all_gather_single(gathered, slot, group=group)  # in place: this rank's slot is the input
+                self._copy(rows[:, start : start + width], gathered.view(world, width))
+        finally:
+            if block is not None:
+                block.busy = False
+        self.chunked_calls += numel > step
         return output
 
-    def barrier(self, group, device) -> None:
+    def all_to_all_single(self, output, input, group, output_split_sizes=None, input_split_sizes=None):
+        """``input`` and ``output`` contiguous, split along dim 0; an even one goes in chunks above the cap."""
+        splits = (output_split_sizes, input_split_sizes)
+        if not self.staged or group is _NON_MEMBER:
+            dist.all_to_all_single(output, input, *splits, group=group)
+            return output
+        self.payload_bytes += input.nbytes + output.nbytes
+        world, size = dist.get_world_size(group), input.element_size()
+        width = input.numel() // world  # elements per peer, where the splits are even
+        step = min(width, block_cap() // (2 * world * size))
+        if output_split_sizes is not None or input_split_sizes is not None or width * world != input.numel():
+            step = width  # staged whole
+        if step == width:
+            return self._all_to_all_whole(output, input, group, splits)
+        block = self._acquire("all_to_all_single", group, input.device, 2 * aligned(world * step * size))
+        rows_in, rows_out = input.view(world, width), output.view(world, width)
+        try:
+            for start in range(0, width, step):
+                part = min(step, width - start)
+                if block is None:
+                    sent, received = input.new_empty((world, part)), input.new_empty((world, part))
+                else:
+                    sent = block.view((world, part), input.dtype)
+                    received = block.view((world, part), input.dtype, aligned(world * step * size))
+                self._copy(sent, rows_in[:, start : start + part])
+                dist.all_to_all_single(received, sent, group=group)
+                self._copy(rows_out[:, start : start + part], received)
+        finally:
+            if block is not None:
+                block.busy = False
+        self.chunked_calls += 1
+        return output
+
+    def _all_to_all_whole(self, output, input, group, splits):
+        block = self._acquire("all_to_all_single", group, input.device, aligned(input.nbytes) + output.nbytes)
+        if block is None:
+            dist.all_to_all_single(output, input, *splits, group=group)
+            return output
+        try:
+            sent = block.view(input.shape, input.dtype)
+            received = block.view(output.shape, output.dtype, aligned(input.nbytes))
+            self._copy(sent, input)
+            dist.all_to_all_single(received, sent, *splits, group=group)
+            self._copy(output, received)
+        finally:
+            block.busy = False
+        return output
+
+    def barrier(self, group: Any, device: torch.device) -> None:
         """Staged, an all-reduce of a persistent element and a device sync (XCCL's barrier makes a new element)."""
-        if not self.staged:
+        if not self.staged or group is _NON_MEMBER:
             dist.barrier(group=group)
             return
-        with self._block("barrier", group, device, ALIGN) as block:
+        block = self._acquire("barrier", group, device, ALIGN)
+        try:
             token = torch.zeros(1, dtype=torch.int32, device=device) if block is None else block.view((1,), torch.int32)
             token.zero_()
             dist.all_reduce(token, group=group)  # every rank, with a block or not, enters the same collective
-            synchronize(resolve_device(device))
+        finally:
+            if block is not None:
+                block.busy = False
+        synchronize(resolve_device(device))
 
     def batch_isend_irecv(self, ops: list[dist.P2POp]) -> list:
-        """Staged, sends are copied in now and receives out when the batch is waited (one work for the batch)."""
+        """Staged, sends are copied in now and receives out when the batch lands; batches in flight each hold a
+        block of their group's pool until then, and are posted at once, as torch posts them."""
+        group, device = ops[0].group, ops[0].tensor.device
+        if not self.staged or group is _NON_MEMBER:
+            return dist.batch_isend_irecv(ops)
         sizes = [aligned(op.tensor.nbytes) for op in ops]
-        with self._block("batch_isend_irecv", ops[0].group, ops[0].tensor.device, sum(sizes), "p2p") as block:
-            if block is None:
-                return dist.batch_isend_irecv(ops)
+        block = self._batch_block(group, device, sum(sizes))
+        if block is None:
+            return dist.batch_isend_irecv(ops)
+        try:
             views = [block.view(op.tensor.shape, op.tensor.dtype, sum(sizes[:i])) for i, op in enumerate(ops)]
             receives = []
             for op, view in zip(ops, views, strict=True):
+                self.payload_bytes += op.tensor.nbytes
                 if op.op in (dist.isend, dist.send):
-                    _write(view, op.tensor)
+                    self._copy(view, op.tensor)
                 else:
                     receives.append((op.tensor, view))
+                    self.staged_bytes += op.tensor.nbytes  # copied out when it lands
             works = dist.batch_isend_irecv(
                 [dist.P2POp(o.op, v, o.peer, o.group, o.tag) for o, v in zip(ops, views, strict=True)]
             )
-
-        def finish() -> None:
-            for tensor, view in receives:
-                _write(tensor, view)
+        except BaseException:
             block.busy = False
-
-        block.batch = _StagedBatch(list(works), finish)
+            raise
+        block.batch = _StagedBatch(list(works), receives, block)
         return [block.batch]
+
+    def _batch_block(self, group: Any, device: torch.device, nbytes: int) -> GrowOnlyBlock | None:
+        """The first free block of the group's pool; a batch complete but never waited lands first."""
+        group = group if group is not None else dist.group.WORLD
+        by_device = self._batches.get(group)
+        if by_device is None:
+            by_device = self._batches[group] = {}
+        pool = by_device.setdefault(device, [])
+        free = next((b for b in pool if not b.busy or b.batch.is_completed()), None)
+        if free is None and len(pool) < MAX_BATCHES:
+            free = GrowOnlyBlock()
+            pool.append(free)
+        elif free is None:  # the oldest was posted MAX_BATCHES batches ago: every peer has posted its match
+            free = min(pool, key=lambda b: b.posted)
+            with contextlib.suppress(Exception):  # its own error is its caller's, long gone
+                free.batch.wait()
+        self._posted += 1
+        free.posted = self._posted
+        return self._lease("batch_isend_irecv", free, group, device, nbytes)
 
 
 _PLAIN, _PERSISTENT = Collectives(persistent=False), Collectives(persistent=True)
+_choices: dict[tuple[str | None, str], Collectives] = {}
 
 
 def collectives_for(device_type: str) -> Collectives:
     """The process's collectives for a platform of ``device_type``, as the switch says."""
-    mode = switch_mode()
-    return _PERSISTENT if mode == "1" or (mode == "auto" and device_type == "xpu") else _PLAIN
+    key = (os.environ.get(SWITCH_ENV), device_type)
+    choice = _choices.get(key)
+    if choice is None:
+        mode = switch_mode()
+        choice = _choices[key] = _PERSISTENT if mode == "1" or (mode == "auto" and device_type == "xpu") else _PLAIN
+        if choice.staged:
+            block_cap()  # a bad cap is an error where it would be used, before the first collective
+    return choice
+
+
+_choose: Callable[[], Collectives] | None = None
 
 
 def platform_collectives() -> Collectives:
     """The current platform's choice; by the switch alone where the platform makes none."""
-    from vllm_omni.platforms import current_omni_platform
+    global _choose
+    if _choose is None:  # the platform is resolved once per process
+        from vllm_omni.platforms import current_omni_platform as platform
 
-    choose = getattr(current_omni_platform, "collectives", None)
-    return choose() if callable(choose) else collectives_for(current_omni_platform.device_type)
+        choose = getattr(platform, "collectives", None)
+        _choose = choose if callable(choose) else lambda: collectives_for(platform.device_type)
+    return _choose()
 
 
 # Each CPU group stands in for its device group's object collectives.
@@ -249,10 +438,9 @@ def _device_group(group_name: str) -> Any:
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-@torch.library.custom_op("vllm_omni::all_reduce", mutates_args=())
-def _all_reduce_op(tensor: torch.Tensor, op: str, group_name: str) -> torch.Tensor:
-    out = torch.empty_like(tensor)
-    return platform_collectives().all_reduce(tensor, _device_group(group_name), _OPS[op], out=out)
+@torch.library.custom_op("vllm_omni::all_reduce", mutates_args=("tensor",))
+def _all_reduce_op(tensor: torch.Tensor, op: str, group_name: str) -> None:
+    platform_collectives().all_reduce(tensor, _device_group(group_name), _OPS[op])
 
 
 @torch.library.custom_op("vllm_omni::all_gather", mutates_args=())
@@ -267,7 +455,7 @@ def _all_to_all_op(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     return platform_collectives().all_to_all_single(out, tensor, _device_group(group_name))
 
 
-_all_reduce_op.register_fake(lambda tensor, op, group_name: torch.empty_like(tensor))
+_all_reduce_op.register_fake(lambda tensor, op, group_name: None)
 _all_gather_op.register_fake(lambda t, world_size, group_name: t.new_empty((world_size * t.shape[0], *t.shape[1:])))
 _all_to_all_op.register_fake(lambda tensor, group_name: torch.empty_like(tensor))
 for _op in (_all_reduce_op, _all_gather_op, _all_to_all_op):
@@ -278,24 +466,29 @@ def coordinator_all_reduce(self, input_: torch.Tensor, op=dist.ReduceOp.SUM) -> 
     """``GroupCoordinator.all_reduce``: in place where it can be; use the return value."""
     if self.world_size == 1:
         return input_
-    if torch.compiler.is_compiling():
-        for name, reduce in _OPS.items():
-            if op == reduce and getattr(self, "collective_name", None) is not None:  # in place, as eager code
-                return input_.copy_(torch.ops.vllm_omni.all_reduce(input_, name, self.collective_name))
+    if not torch.compiler.is_compiling():
+        return platform_collectives().all_reduce(input_, self.device_group, op)
+    name = next((name for name, reduce in _OPS.items() if op == reduce), None)
+    if name is None or getattr(self, "collective_name", None) is None:
         dist.all_reduce(input_, op=op, group=self.device_group)  # traced as torch traces it
-        return input_
-    return platform_collectives().all_reduce(input_, self.device_group, op)
+    elif input_.is_contiguous():
+        torch.ops.vllm_omni.all_reduce(input_, name, self.collective_name)  # in place: no copy around it
+    else:  # reduced in row-major order, as torch's traced all-reduce reduces a strided tensor
+        staged = input_.contiguous()
+        torch.ops.vllm_omni.all_reduce(staged, name, self.collective_name)
+        input_.copy_(staged)
+    return input_
 
 
 def coordinator_all_gather(self, input_: torch.Tensor, dim: int = 0, separate_tensors: bool = False, group=None):
-    """``GroupCoordinator.all_gather``: ranks' tensors concatenated along ``dim``, or one view per rank."""
+    """``GroupCoordinator.all_gather``: ranks' tensors concatenated along ``dim``, or each rank's (any ``dim``)."""
     by_name = group is None and getattr(self, "collective_name", None) is not None
     group = self.device_group if group is None else group
     world_size = dist.get_world_size(group)
     if world_size == 1:
         return input_
-    if not -input_.dim() <= dim < input_.dim() or (separate_tensors and dim % input_.dim()):
-        raise ValueError(f"dim={dim} for a tensor of shape {tuple(input_.shape)}: expected a dim of it, 0 if separate")
+    if not -input_.dim() <= dim < input_.dim():
+        raise ValueError(f"dim={dim} for a tensor of shape {tuple(input_.shape)}: expected a dim of it")
     input_ = input_.contiguous()
     if torch.compiler.is_compiling() and by_name:
         stacked = torch.ops.vllm_omni.all_gather(input_, world_size, self.collective_name)
