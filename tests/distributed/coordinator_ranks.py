@@ -34,6 +34,9 @@ def eager_checks(rank: int, world: int) -> dict[str, Any]:
         "all_gather_dim1": lambda: [group.all_gather(data(rank, (3, 4, 2), torch.float16), dim=1)],
         "all_gather_dim-1": lambda: [group.all_gather(data(rank, (3, 4), torch.int64), dim=-1)],
         "all_gather_separate": lambda: group.all_gather(data(rank, (2, 3), torch.float32), separate_tensors=True),
+        "all_gather_separate_dim1": lambda: group.all_gather(
+            data(rank, (1, 3), torch.float32), dim=1, separate_tensors=True
+        ),
         "broadcast": lambda: [group.broadcast(data(rank, (4, 4), torch.float32), src=world - 1)],
     }
     os.environ[SWITCH_ENV] = "0"
@@ -49,7 +52,6 @@ def eager_checks(rank: int, world: int) -> dict[str, Any]:
     for name, call in {
         "dim": lambda: group.all_gather(tensor, dim=1),
         "src": lambda: group.broadcast(tensor, src=world),
-        "separate": lambda: group.all_gather(data(rank, (2, 3), torch.float32), dim=1, separate_tensors=True),
     }.items():
         try:
             call()
@@ -58,6 +60,9 @@ def eager_checks(rank: int, world: int) -> dict[str, Any]:
     return {
         "equal": {name: got[name] == expected[name] for name in cases},
         "dim1_is_concatenation": got["all_gather_dim1"] == [bits(torch_oracle)],
+        # As released: with separate tensors each rank's tensor comes back whatever ``dim`` says.
+        "separate_dim1_is_each_ranks": got["all_gather_separate_dim1"]
+        == [bits(data(r, (1, 3), torch.float32)) for r in range(world)],
         "in_place": group.all_reduce(tensor) is tensor,
         "unmanaged": recorder.summary()[0]["unmanaged"],
         "registered": group.collective_name == group.device_group.group_name,
@@ -86,6 +91,44 @@ class _InPlace(_Block):
         reduced = self.linear(x)
         self.group.all_reduce(reduced)
         return reduced * 2
+
+
+class _OnInput(torch.nn.Module):
+    """The all-reduce of a graph input, whose mutation Inductor would otherwise copy back."""
+
+    def __init__(self, group: Any) -> None:
+        super().__init__()
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(x) * 2
+
+
+def in_place_checks(rank: int, world: int) -> dict[str, Any]:
+    """With staging off, Inductor's code for the all-reduce: the op on the tensor itself, no copy around it, and the
+    backend handed the caller's own storage."""
+    import torch._inductor.config
+    from torch._inductor.utils import run_and_get_code
+
+    torch._inductor.config.force_disable_caches = True
+    os.environ[SWITCH_ENV] = "0"
+    group = coordinator(rank, world)
+    report: dict[str, Any] = {}
+    for name, module in (("intermediate", _InPlace(group)), ("graph_input", _OnInput(group))):
+        torch._dynamo.reset()
+        compiled = torch.compile(module, backend="inductor", dynamic=True, fullgraph=True)
+        x = data(rank, (5, 8), torch.float32)
+        recorder = BackendRecorder()
+        with torch.inference_mode(), recorder:
+            _, (code, *_) = run_and_get_code(compiled, x)
+        lines = [line.strip() for line in code.splitlines() if not line.strip().startswith("#")]
+        report[name] = {
+            "ops": sum("torch.ops.vllm_omni.all_reduce.default(" in line for line in lines),
+            "copies": [line for line in lines if "copy_" in line or "clone" in line],
+            "handed_input": [ptr for _, tensors in recorder.requests[0] for ptr, _ in tensors]
+            == [x.untyped_storage().data_ptr()],
+        }
+    return report
 
 
 def compile_checks(rank: int, world: int) -> dict[str, Any]:

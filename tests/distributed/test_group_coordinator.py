@@ -30,7 +30,7 @@ def compiled():
 def test_every_collective_of_the_coordinator_gives_the_plain_bits_with_persistent_buffers(eager):
     for report in eager:
         assert all(report["equal"].values()), report["equal"]
-        assert report["dim1_is_concatenation"] and report["in_place"]
+        assert report["dim1_is_concatenation"] and report["in_place"] and report["separate_dim1_is_each_ranks"]
 
 
 def test_with_persistent_buffers_the_coordinator_hands_the_backend_only_blocks(eager):
@@ -44,9 +44,8 @@ def test_each_coordinator_is_registered_under_its_device_groups_name(eager):
 def test_bad_arguments_raise_on_every_rank_before_any_collective_naming_the_value(eager):
     for report in eager:
         assert report["errors"] == {
-            "dim": "dim=1 for a tensor of shape (5,): expected a dim of it, 0 if separate",
+            "dim": "dim=1 for a tensor of shape (5,): expected a dim of it",
             "src": "src=4: expected a rank of this group, src < 4",
-            "separate": "dim=1 for a tensor of shape (2, 3): expected a dim of it, 0 if separate",
         }
 
 
@@ -71,3 +70,11 @@ def test_compiled_aot_eager_equals_the_eager_plain_module(compiled):
 
 def test_compiled_the_all_reduce_is_in_place_as_eager_for_a_caller_that_ignores_the_return_value(compiled):
     assert all(report["in_place_compiled_equals_eager"] for report in compiled)
+
+
+def test_compiled_with_staging_off_the_all_reduce_runs_on_the_tensor_itself_with_no_copy_around_it():
+    reports = results_or_raise(run_ranks(coordinator_ranks.in_place_checks, 2, timeout_s=600, env=ENV), 2)
+    for report in reports:
+        assert report["intermediate"]["ops"] == report["graph_input"]["ops"] == 1
+        assert report["intermediate"]["copies"] == report["graph_input"]["copies"] == []
+        assert report["graph_input"]["handed_input"]  # the backend reduces the caller's storage: no copy inside
