@@ -1,16 +1,20 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""What persistent collectives cost per call: staged all-reduces paired with plain ones, on gloo ranks.
+"""What persistent collectives cost per call: the diffusion coordinator's all-reduce, staged and plain, beside
+``torch.distributed.all_reduce`` itself, on gloo ranks.
 
-Each rank times batches of all-reduces of one size, the plain collective and the staged one back to back in
-rotating order, every batch started together behind a barrier. Per rank and size it reports the wall and
-process-CPU time per call of both, their paired ratio and the paired difference per call, each with a 95%
-bootstrap interval over the pairs: a slowdown the scheduler puts on both halves of a pair cancels. One rank
-gives the staging's own host cost; with more ranks than cores, a rank that arrives later makes its peers wait,
-and the wake-up latency of an oversubscribed machine adds to the wall time of both.
+Each rank times batches of all-reduces of one size for three callers back to back, in rotating order, every batch
+started together behind a barrier: ``torch`` (``dist.all_reduce``), ``plain`` (``coordinator_all_reduce`` with
+``VLLM_OMNI_PERSISTENT_COLLECTIVES=0``, what every platform pays once upstream) and ``staged`` (``=1``). Per rank and
+size it reports wall and process-CPU time per call, and two paired differences per call with 95% bootstrap intervals
+over the pairs: staged minus plain (the staging's own cost) and plain minus torch (the coordinator's routing). A
+slowdown the scheduler puts on a whole round cancels in its differences. The ``_host`` callers run the same code with
+``dist.all_reduce`` replaced by a no-op for the batch: the host time the callers add, free of the backend's thread
+hand-off, which on one gloo rank lengthens with any work between calls. With more ranks than cores, a late rank
+makes its peers wait, and that wake-up latency adds to the wall time of every caller.
 
-    python -m benchmarks.persistent_collectives_overhead --world-size 4 --pairs 30
     python -m benchmarks.persistent_collectives_overhead --world-size 1 --pairs 30   # host cost alone
+    python -m benchmarks.persistent_collectives_overhead --world-size 4 --pairs 30
 """
 
 from __future__ import annotations
@@ -27,46 +31,70 @@ from minimax_h3_bench import stats
 from minimax_h3_bench.ranks import results_or_raise, run_ranks
 
 SIZES = {"1 KiB": 1 << 10, "64 KiB": 1 << 16, "4 MiB": 1 << 22}
+CALLERS = ("torch", "plain", "staged", "torch_host", "plain_host", "staged_host")
+COMPARISONS = (("staged", "plain"), ("plain", "torch"), ("staged_host", "plain_host"), ("plain_host", "torch_host"))
+SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 
 
-def _time_batch(call, tensor, calls: int) -> tuple[float, float]:
-    wall, cpu = time.perf_counter(), time.process_time()
+CLOCKS = ("wall", "cpu", "caller")  # caller: this thread's CPU time, the host cost without gloo's own threads
+
+
+def _time_batch(call, tensor, calls: int) -> tuple[float, float, float]:
+    wall, cpu, caller = time.perf_counter(), time.process_time(), time.thread_time()
     for _ in range(calls):
         call(tensor)
-    return (time.perf_counter() - wall) / calls, (time.process_time() - cpu) / calls
+    ends = time.perf_counter() - wall, time.process_time() - cpu, time.thread_time() - caller
+    return tuple(end / calls for end in ends)
+
+
+def _no_op(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 def measure(rank: int, world: int, pairs: int, calls: int) -> dict[str, Any]:
+    from types import SimpleNamespace
+
     import torch
     import torch.distributed as dist
 
-    from vllm_omni.distributed.persistent_collectives import Collectives
+    from vllm_omni.distributed import persistent_collectives as pc
 
     torch.set_num_threads(1)
-    persistent = Collectives(persistent=True)
+    # What coordinator_all_reduce reads of a GroupCoordinator; at least 2 ranks, so that one rank is not bypassed.
+    coordinator = SimpleNamespace(world_size=max(world, 2), device_group=dist.group.WORLD)
 
-    def plain(tensor):
-        dist.all_reduce(tensor)
+    def switched(value: str):
+        def call(tensor):
+            pc.coordinator_all_reduce(coordinator, tensor)
 
-    def staged(tensor):
-        persistent.all_reduce(tensor, None)
+        return value, call
 
-    sync = dist.barrier
+    switches = {"torch": (None, dist.all_reduce), "plain": switched("0"), "staged": switched("1")}
+    switches |= {f"{name}_host": value for name, value in switches.items()}
+    real = dist.all_reduce
     samples: dict[str, Any] = {}
     for label, nbytes in SIZES.items():
         tensor = torch.ones(nbytes // 4)
-        for warm in (plain, staged):
-            warm(tensor)
-        runs: dict[str, dict[str, list[float]]] = {"plain": {"wall": [], "cpu": []}, "staged": {"wall": [], "cpu": []}}
-        for pair in range(pairs):
-            order = (("plain", plain), ("staged", staged)) if pair % 2 == 0 else (("staged", staged), ("plain", plain))
-            for name, call in order:
-                sync()
-                wall, cpu = _time_batch(call, tensor, calls)
-                runs[name]["wall"].append(wall)
-                runs[name]["cpu"].append(cpu)
+        runs = {name: {clock: [] for clock in CLOCKS} for name in CALLERS}
+        for pair in range(-1, pairs):  # round -1 warms every caller up and is not kept
+            for name in CALLERS[pair % len(CALLERS) :] + CALLERS[: pair % len(CALLERS)]:
+                value, call = switches[name]
+                if value is not None:
+                    os.environ[SWITCH_ENV] = value
+                dist.barrier()
+                if name.endswith("_host"):  # the backend stood in for by a no-op, for this batch only
+                    dist.all_reduce = _no_op
+                    call = _no_op if name == "torch_host" else call
+                try:
+                    times = _time_batch(call, tensor, calls)
+                finally:
+                    dist.all_reduce = real
+                if pair >= 0:
+                    for clock, seconds in zip(CLOCKS, times, strict=True):
+                        runs[name][clock].append(seconds)
         samples[label] = runs
-    return {"rank": rank, "samples": samples, "layer": persistent.stats()}
+    os.environ[SWITCH_ENV] = "1"
+    return {"rank": rank, "samples": samples, "layer": pc.collectives_for("cpu").stats()}
 
 
 def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -76,13 +104,14 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
         for report in reports:
             runs = report["samples"][label]
             row: dict[str, Any] = {"rank": report["rank"]}
-            for clock in ("wall", "cpu"):
-                staged, plain = runs["staged"][clock], runs["plain"][clock]
-                row[f"{clock}_plain_us"] = 1e6 * sum(plain) / len(plain)
-                row[f"{clock}_staged_us"] = 1e6 * sum(staged) / len(staged)
-                row[f"{clock}_ratio"] = stats.paired_ratio(staged, plain).as_dict()
-                row[f"{clock}_extra_us"] = stats.paired_difference([1e6 * s for s in staged], [1e6 * p for p in plain])
-                row[f"{clock}_extra_us"] = row[f"{clock}_extra_us"].as_dict()
+            for clock in CLOCKS:
+                for name in CALLERS:
+                    row[f"{clock}_{name}_us"] = 1e6 * sum(runs[name][clock]) / len(runs[name][clock])
+                for high, low in COMPARISONS:
+                    us = [1e6 * t for t in runs[high][clock]], [1e6 * t for t in runs[low][clock]]
+                    row[f"{clock}_{high}_minus_{low}_us"] = stats.paired_difference(*us).as_dict()
+                    ratio = stats.paired_ratio(runs[high][clock], runs[low][clock])
+                    row[f"{clock}_{high}_over_{low}"] = ratio.as_dict()
             per_rank.append(row)
         summary[label] = per_rank
     return summary
@@ -91,16 +120,18 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
 def format_summary(summary: dict[str, Any]) -> str:
     lines = []
     for label, rows in summary.items():
-        lines.append(f"all_reduce of {label} (float32), staged / plain per call:")
+        lines.append(f"all_reduce of {label} (float32), per call:")
         for row in rows:
-            parts = []
-            for clock in ("wall", "cpu"):
-                ratio, extra = stats.Estimate(**row[f"{clock}_ratio"]), stats.Estimate(**row[f"{clock}_extra_us"])
-                parts.append(
-                    f"{clock} {row[f'{clock}_plain_us']:.1f} -> {row[f'{clock}_staged_us']:.1f} us, "
-                    f"{stats.describe(ratio)}, extra {stats.describe(extra, unit=' us', digits=1)}"
-                )
-            lines.append(f"  rank {row['rank']}: " + "; ".join(parts))
+            for clock in CLOCKS:
+                times = ", ".join(f"{name} {row[f'{clock}_{name}_us']:.1f}" for name in CALLERS)
+                parts = []
+                for high, low in COMPARISONS:
+                    extra = stats.Estimate(**row[f"{clock}_{high}_minus_{low}_us"])
+                    ratio = stats.Estimate(**row[f"{clock}_{high}_over_{low}"])
+                    parts.append(
+                        f"{high} - {low} {stats.describe(extra, unit=' us', digits=1)}, ratio {stats.describe(ratio)}"
+                    )
+                lines.append(f"  rank {row['rank']} {clock} ({times} us): " + "; ".join(parts))
     return "\n".join(lines)
 
 

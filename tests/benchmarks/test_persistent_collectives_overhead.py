@@ -26,21 +26,23 @@ def run(tmp_path_factory):
     return code, json.loads((out / "results.json").read_text())
 
 
-def test_every_size_and_rank_gets_wall_and_cpu_per_call_with_paired_intervals(run):
+def test_every_size_and_rank_gets_wall_and_cpu_per_call_of_each_caller_and_paired_intervals_of_both_gaps(run):
     code, results = run
     assert code == 0 and set(results["per_call"]) == set(bench.SIZES)
     for rows in results["per_call"].values():
         assert [row["rank"] for row in rows] == [0, 1]
         for row in rows:
-            for clock in ("wall", "cpu"):
-                ratio, extra = row[f"{clock}_ratio"], row[f"{clock}_extra_us"]
-                assert ratio["pairs"] == extra["pairs"] == 4
-                assert ratio["low"] <= ratio["value"] <= ratio["high"] and extra["low"] <= extra["high"]
+            for clock in bench.CLOCKS:
+                assert all(row[f"{clock}_{name}_us"] > 0 for name in bench.CALLERS)
+                for high, low in bench.COMPARISONS:
+                    gap = f"{high}_minus_{low}"
+                    extra = row[f"{clock}_{gap}_us"]
+                    assert extra["pairs"] == 4 and extra["low"] <= extra["value"] <= extra["high"]
 
 
-def test_the_staged_calls_went_through_persistent_blocks(run):
+def test_the_staged_calls_went_through_persistent_blocks_and_the_others_did_not(run):
     _, results = run
-    calls_per_rank = len(bench.SIZES) * (1 + 4 * 3)  # a warm-up and every staged call
+    calls_per_rank = 2 * len(bench.SIZES) * (1 + 4) * 3  # staged and staged_host: warm-up and kept rounds
     assert [layer["staged_calls"] for layer in results["layer"]] == [calls_per_rank] * 2
     assert all(layer["fallbacks"] == 0 for layer in results["layer"])
 

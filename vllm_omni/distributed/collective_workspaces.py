@@ -75,6 +75,7 @@ class GrowOnlyBlock:
 
     def __init__(self) -> None:
         self.block: torch.Tensor | None = None
+        self.device: torch.device | None = None
         self.allocs = 0
         self.busy = False
         self.stream: Any = None  # the stream of its last use, where the device has streams
@@ -92,7 +93,7 @@ class GrowOnlyBlock:
         if self.block is not None and self.block.device == device and self.nbytes >= nbytes:
             return False
         self.drop()
-        self.block = allocate_bytes(nbytes, device, group)
+        self.block, self.device = allocate_bytes(nbytes, device, group), device
         self.allocs += 1
         return True
 
@@ -123,5 +124,5 @@ class GrowOnlyBlock:
         """Free the block once the device is done with it: old and new blocks never coexist."""
         if self.block is not None:
             synchronize(self.block.device)  # collectives and copies queued on it finish before the memory is reused
-            self.block, self.stream = None, None
+            self.block = self.device = self.stream = None
             self._views.clear()

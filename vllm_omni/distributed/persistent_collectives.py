@@ -39,19 +39,22 @@ def switch_mode() -> str:
     return value
 
 
-_caps: dict[str | None, int] = {}
+def parse_block_cap(raw: str | None) -> int:
+    text = str(DEFAULT_CAP_MIB) if raw is None else raw.strip()
+    if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
+        raise ValueError(f"{CAP_ENV}={raw!r} is not valid; expected a whole number of MiB, at least 1")
+    return int(text) << 20
+
+
+_cap: int | None = None
 
 
 def block_cap() -> int:
-    """Bytes a block holds at most where chunks keep the bits; set it alike on every rank."""
-    raw = os.environ.get(CAP_ENV)
-    cap = _caps.get(raw)
-    if cap is None:
-        text = str(DEFAULT_CAP_MIB) if raw is None else raw.strip()
-        if not re.fullmatch(r"[0-9]+", text) or int(text) < 1:
-            raise ValueError(f"{CAP_ENV}={raw!r} is not valid; expected a whole number of MiB, at least 1")
-        cap = _caps[raw] = int(text) << 20
-    return cap
+    """Bytes a block holds at most where chunks keep the bits: read once per process; set it alike on every rank."""
+    global _cap
+    if _cap is None:
+        _cap = parse_block_cap(os.environ.get(CAP_ENV))
+    return _cap
 
 
 def _write(destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -137,6 +140,7 @@ class Collectives:
         self._batches: weakref.WeakKeyDictionary[Any, dict[torch.device, list]] = weakref.WeakKeyDictionary()
         self.staged_calls = self.chunked_calls = self.fallbacks = self.payload_bytes = self.staged_bytes = 0
         self._posted = 0
+        self._last: tuple[Any, torch.device, GrowOnlyBlock] | None = None  # the last lookup, most calls' next
         self._logged: set[str] = set()
 
     def blocks(self) -> list[GrowOnlyBlock]:
@@ -164,18 +168,27 @@ class Collectives:
         """The call's block, busy until the caller frees it; None where the call runs on the caller's tensors."""
         if device.index is None and device.type not in ("cpu", "meta"):
             device = resolve_device(device)
+        last = self._last
+        if last is not None and last[0] is group and last[1] == device:
+            block = last[2]
+        else:
+            block = self._lookup(group, device)
+        if block.busy:
+            return self._fall_back(name, "its block is in use")
+        return self._lease(name, block, group, device, nbytes)
+
+    def _lookup(self, group: Any, device: torch.device) -> GrowOnlyBlock:
         by_device = self._blocks.get(group if group is not None else dist.group.WORLD)
         if by_device is None:
             by_device = self._blocks[group if group is not None else dist.group.WORLD] = {}
         block = by_device.get(device)
         if block is None:
             block = by_device[device] = GrowOnlyBlock()
-        if block.busy:
-            return self._fall_back(name, "its block is in use")
-        return self._lease(name, block, group, device, nbytes)
+        self._last = (group, device, block)
+        return block
 
     def _lease(self, name: str, block: GrowOnlyBlock, group: Any, device: torch.device, nbytes: int):
-        if block.block is None or block.nbytes < nbytes or block.block.device != device:
+        if block.device != device or block.nbytes < nbytes:
             try:
                 block.ensure(aligned(nbytes), device, group)
             except Exception as error:  # OutOfMemoryError on a device, RuntimeError on CPU: this rank goes plain
