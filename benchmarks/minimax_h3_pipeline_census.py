@@ -238,8 +238,8 @@ def layer_per_request(rank: dict[str, Any]) -> list[dict[str, int]]:
         if snapshot is None:
             return []
         row = dict(snapshot)
-        for key in ("staged_calls", "fallbacks", "block_allocations"):
-            row[key] = snapshot[key] - (previous[key] if previous else 0)
+        for key in ("staged_calls", "fallbacks", "block_allocations", "payload_bytes", "staged_bytes"):
+            row[key] = snapshot.get(key, 0) - (previous.get(key, 0) if previous else 0)
         rows.append(row)
         previous = snapshot
     return rows
@@ -287,6 +287,7 @@ def memory_label(summary: dict[str, Any]) -> str:
 
 def format_table(summary: dict[str, Any]) -> str:
     header = ["run", "req", "component", "calls", "MiB sent", "MiB recv", "fresh bufs", "fresh MiB", "persistent"]
+    header.append("MiB copied")
     lines = [header]
     for fix, run in summary["runs"].items():
         for index, request in enumerate(run["ranks"][0]["requests"], start=1):
@@ -294,7 +295,10 @@ def format_table(summary: dict[str, Any]) -> str:
                 if t["calls"]:
                     mib = [f"{t[key] / MIB:.2f}" for key in ("bytes_sent", "bytes_received", "fresh_bytes")]
                     counts = [str(t[key]) for key in ("calls", "fresh_buffers", "persistent_buffers")]
-                    lines.append([fix, str(index), component, counts[0], *mib[:2], counts[1], mib[2], counts[2]])
+                    copied = f"{request.get('staged_bytes', {}).get(component, 0) / MIB:.2f}"
+                    lines.append(
+                        [fix, str(index), component, counts[0], *mib[:2], counts[1], mib[2], counts[2], copied]
+                    )
     text = ["rank 0; fresh = handed to the backend for the first time (a registration on XPU)", *report.align(lines)]
     text.append("")
     for fix, run in summary["runs"].items():
@@ -336,7 +340,9 @@ def format_table(summary: dict[str, Any]) -> str:
 
 def format_layer(summary: dict[str, Any]) -> list[str]:
     """The layer's own figures per rank and request, for the runs that have it."""
-    lines = [["run", "req", "rank", "resident MiB", "blocks", "allocs", "staged", "fallbacks"]]
+    lines = [
+        ["run", "req", "rank", "resident MiB", "blocks", "allocs", "staged", "fallbacks", "payload MiB", "copied MiB"]
+    ]
     for fix, run in summary["runs"].items():
         for rank in run["ranks"]:
             for index, row in enumerate(layer_per_request(rank), start=1):
@@ -350,13 +356,15 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
                         str(row["block_allocations"]),
                         str(row["staged_calls"]),
                         str(row["fallbacks"]),
+                        f"{row['payload_bytes'] / MIB:.2f}",
+                        f"{row['staged_bytes'] / MIB:.2f}",
                     ]
                 )
     if len(lines) == 1:
         return []
-    return ["persistent collectives, per rank and request (resident: as it stands after the request)"] + (
-        report.align(lines)
-    )
+    title = "persistent collectives, per rank and request (resident: as it stands after the request; payload: the"
+    title += " callers' tensors staged; copied: into and out of blocks)"
+    return [title] + (report.align(lines))
 
 
 def paired_runs(runs: dict[str, Any]) -> tuple[str, str] | None:

@@ -29,9 +29,10 @@ RELEASE = "0.30.0"
 PLUGIN = "minimax_h3_vae_gather"
 TREE_ENV = "VLLM_OMNI_H3_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
 # What the patches carry from this checkout, beside their hand-made changes (vae.py in the first; the coordinator,
-# the platform interface and the request path's imports in the second). ``regenerate`` refreshes the last patch: a
-# file the last patch carries is as this checkout has it once every patch is applied; the first patch's copy of
-# vae_gather.py is its own (it has no request-path scoping yet).
+# the platform interface and the request path's imports in the second; the third only carries). ``regenerate``
+# refreshes the last patch: a file the last patch carries is as this checkout has it once every patch is applied;
+# the earlier patches' copies are their own (the first's vae_gather.py has no request-path scoping yet, the
+# second's persistent collectives predate the third's cost and contract changes).
 CARRIED_FIRST = (
     "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
     "vllm_omni/distributed/collective_workspaces.py",
@@ -61,6 +62,7 @@ CARRIED_LAST = (
             "collective_ranks.py",
             "coordinator_ranks.py",
             "sequence_parallel_ranks.py",
+            "contract_ranks.py",
             "test_persistent_collectives.py",
             "test_group_coordinator.py",
             "test_sequence_parallel.py",

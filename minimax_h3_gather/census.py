@@ -139,6 +139,18 @@ def _marking_releases(ledger: CollectiveLedger) -> Callable[[Callable], Callable
     return wrap
 
 
+def _booking_copies(write: Callable, ledger: CollectiveLedger) -> Callable:
+    """The persistent collectives' copy, booked per component: the copy traffic the fix adds to a request."""
+
+    @functools.wraps(write)
+    def write_and_book(destination: torch.Tensor, source: torch.Tensor) -> None:
+        write(destination, source)
+        if ledger.active:
+            ledger.add_staged(source.nbytes)
+
+    return write_and_book
+
+
 def register() -> None:
     """Hook the diffusion model runner's ``load_model`` and both ways of emptying the cache in this process.
 
@@ -162,6 +174,7 @@ def register() -> None:
         platform_empty_cache = mark(platform.empty_cache)
         platform.empty_cache = classmethod(lambda cls: platform_empty_cache())
     torch.accelerator.empty_cache = mark(torch.accelerator.empty_cache)
+    persistent_collectives._write = _booking_copies(persistent_collectives._write, ledger)
     books: dict[str, list] = {"timing": [], "persistent_collectives": [], "memory": [], "compile": []}
     load_model = DiffusionModelRunner.load_model
 

@@ -144,6 +144,7 @@ class RequestReport:
     books: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)  # component -> site -> SiteBooks
     bookkeeping_errors: int = 0  # calls the ledger could not book, since it started
     unmanaged_sites: dict[str, int] = field(default_factory=dict)  # site -> calls on a device group, no blocks
+    staged_bytes: dict[str, int] = field(default_factory=dict)  # component -> bytes copied into and out of blocks
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -250,6 +251,7 @@ class CollectiveLedger:
         self._timeline: list[str] = []
         self._books: dict[str, dict[str, SiteBooks]] = defaultdict(lambda: defaultdict(SiteBooks))
         self._unmanaged: Counter[str] = Counter()
+        self._staged: Counter[str] = Counter()
 
     @property
     def active(self) -> bool:
@@ -360,6 +362,10 @@ class CollectiveLedger:
     def pinned_bytes(self) -> int:
         return sum(r.nbytes for r in self._registry.values())
 
+    def add_staged(self, nbytes: int) -> None:
+        """Book a copy into or out of a persistent block under its caller's component."""
+        self._staged[self._classify(sys._getframe(2))] += nbytes
+
     def end_request(self) -> RequestReport:
         by_site: dict[str, dict[str, int]] = defaultdict(dict)
         for (site, side), count in sorted(self._new.items()):
@@ -378,6 +384,7 @@ class CollectiveLedger:
             books={c: {site: asdict(b) for site, b in sites.items()} for c, sites in self._books.items()},
             bookkeeping_errors=self.bookkeeping_errors,
             unmanaged_sites=dict(self._unmanaged),
+            staged_bytes=dict(self._staged),
         )
         self.requests.append(report)
         self._reset_request()

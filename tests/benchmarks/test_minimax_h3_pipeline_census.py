@@ -147,6 +147,19 @@ def test_the_persistent_collectives_stop_allocating_after_request_1_and_never_fa
         assert all(census_bench.layer_per_request(r) == [] for r in census[2]["runs"][fix]["ranks"])
 
 
+def test_the_copy_traffic_the_fix_adds_is_reported_per_request_and_component_and_stays_within_twice_the_payload(
+    census,
+):
+    for rank in census[2]["runs"]["whole"]["ranks"]:
+        for row, request in zip(census_bench.layer_per_request(rank), rank["requests"], strict=True):
+            assert 0 < row["staged_bytes"] <= 2 * row["payload_bytes"]  # at most one copy in and one out
+            assert sum(request["staged_bytes"].values()) == row["staged_bytes"]  # every copy booked to a component
+            assert request["staged_bytes"]["dit"] > 0
+            assert row["resident_bytes"] <= row["block_cap_bytes"]  # the synthetic calls are all below the cap
+    for rank in census[2]["runs"]["off"]["ranks"]:
+        assert all(request["staged_bytes"] == {} for request in rank["requests"])
+
+
 def test_with_the_whole_fix_no_request_has_an_unmanaged_site_and_without_it_the_dit_and_barriers_are_some(census):
     # The guard for new call sites: a collective on a device group that hands the backend anything but blocks.
     summary = census[2]

@@ -151,6 +151,11 @@ def capped_blocks(rank: int, world: int) -> dict[str, Any]:
                 )
             ],
             "all_reduce_int": lambda c: [c.all_reduce(data(rank, (3 * MIB // 8 + 1,), torch.int64, salt), group)],
+            "list_gather": lambda c: c.all_gather_into_tensor(
+                [torch.empty(MIB // 8 + 1, dtype=torch.bfloat16) for _ in range(world)],
+                data(rank, (MIB // 8 + 1,), torch.bfloat16, salt),
+                group,
+            ),
         }
 
     plain, staged = pc.Collectives(persistent=False), pc.Collectives(persistent=True)

@@ -123,8 +123,9 @@ def capped():
 
 def test_calls_above_the_cap_go_in_chunks_through_a_block_within_the_cap_with_the_plain_bits(capped):
     for report in capped:
-        assert report["equal"] == dict.fromkeys(("broadcast", "all_gather", "all_to_all", "all_reduce_int"), True)
-        assert report["chunked_calls"] == 2 * 4  # every kind, both requests
+        kinds = ("broadcast", "all_gather", "all_to_all", "all_reduce_int", "list_gather")
+        assert report["equal"] == dict.fromkeys(kinds, True)
+        assert report["chunked_calls"] == 2 * len(kinds)  # every kind, both requests
         assert 0 < report["resident_bytes"] <= 1 << 20 and report["allocations"] == 1
 
 

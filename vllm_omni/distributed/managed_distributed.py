@@ -35,12 +35,10 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    if _plain(async_op) or any(t.shape != tensor.shape or t.dtype != tensor.dtype for t in tensor_list):
+    even = all(t.shape == tensor.shape and t.dtype == tensor.dtype and t.is_contiguous() for t in tensor_list)
+    if _plain(async_op) or not even:
         return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
-    stacked = tensor.new_empty((len(tensor_list) * tensor.numel(),))
-    platform_collectives().all_gather_into_tensor(stacked, tensor.reshape(-1), group)
-    for destination, part in zip(tensor_list, stacked.view(len(tensor_list), *tensor.shape), strict=True):
-        destination.copy_(part)
+    platform_collectives().all_gather_into_tensor(tensor_list, tensor, group)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):

@@ -168,16 +168,15 @@ class Collectives:
         """The call's block, busy until the caller frees it; None where the call runs on the caller's tensors."""
         if device.index is None and device.type not in ("cpu", "meta"):
             device = resolve_device(device)
-        last = self._last
-        if last is not None and last[0] is group and last[1] == device:
-            block = last[2]
-        else:
-            block = self._lookup(group, device)
+        block = self._lookup(group, device)
         if block.busy:
             return self._fall_back(name, "its block is in use")
         return self._lease(name, block, group, device, nbytes)
 
     def _lookup(self, group: Any, device: torch.device) -> GrowOnlyBlock:
+        last = self._last
+        if last is not None and last[0] is group and last[1] == device:
+            return last[2]
         by_device = self._blocks.get(group if group is not None else dist.group.WORLD)
         if by_device is None:
             by_device = self._blocks[group if group is not None else dist.group.WORLD] = {}
@@ -259,27 +258,36 @@ class Collectives:
         self._chunked("broadcast", group, flat, lambda part: dist.broadcast(part, src, group), mine, not mine)
         return tensor
 
-    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor, group: Any) -> torch.Tensor:
-        """``input`` and ``output`` contiguous; ``output`` holds every rank's ``input`` in rank order."""
+    def all_gather_into_tensor(self, output: Any, input: torch.Tensor, group: Any) -> Any:
+        """Every rank's ``input`` in rank order into ``output``: one contiguous tensor, or a list of contiguous
+        tensors, one per rank, each copied straight out of the block."""
+        listed = isinstance(output, list)
         if not self.staged or group is _NON_MEMBER or not input.numel():
-            dist.all_gather_single(output, input, group=group)
+            dist.all_gather(output, input, group=group) if listed else dist.all_gather_single(
+                output, input, group=group
+            )
             return output
-        self.payload_bytes += output.nbytes
         world, rank, numel, size = dist.get_world_size(group), dist.get_rank(group), input.numel(), input.element_size()
+        self.payload_bytes += world * input.nbytes
         step = max(1, min(numel, block_cap() // (world * size)))  # elements per rank and chunk
         block = self._acquire("all_gather_into_tensor", group, input.device, world * step * size)
-        if block is None and step == numel:
+        if block is None and step == numel and not listed:
             dist.all_gather_single(output, input, group=group)
             return output
-        flat, rows = input.view(-1), output.view(world, numel)
+        flat, rows = input.reshape(-1), [t.view(-1) for t in output] if listed else output.view(world, numel)
         try:
             for start in range(0, numel, step):
                 width = min(step, numel - start)
-                gathered = block.view((world * width,), input.dtype) if block else output.new_empty(world * width)
+                gathered = block.view((world * width,), input.dtype) if block else input.new_empty(world * width)
                 slot = gathered.narrow(0, rank * width, width)
                 self._copy(slot, flat[start : start + width])
                 dist.all_gather_single(gathered, slot, group=group)  # in place: this rank's slot is the input
-                self._copy(rows[:, start : start + width], gathered.view(world, width))
+                parts = gathered.view(world, width)
+                if listed:
+                    for row, part in zip(rows, parts, strict=True):
+                        self._copy(row[start : start + width], part)
+                else:
+                    self._copy(rows[:, start : start + width], parts)
         finally:
             if block is not None:
                 block.busy = False
