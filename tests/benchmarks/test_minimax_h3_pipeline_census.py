@@ -47,6 +47,7 @@ SCHEMA = {
         "releases",
         "bookkeeping_errors",
         "unmanaged_sites",
+        "staged_bytes",
         "timeline",
         "books",
     },
