@@ -93,6 +93,15 @@ class _InPlace(_Block):
         return reduced * 2
 
 
+class _Strided(_Block):
+    """An all-reduce of a transposed view, in place: compiled, it goes through a contiguous copy and back."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        reduced = self.linear(x).t()
+        self.group.all_reduce(reduced)
+        return reduced * 2
+
+
 class _OnInput(torch.nn.Module):
     """The all-reduce of a graph input, whose mutation Inductor would otherwise copy back."""
 
@@ -164,6 +173,10 @@ def compile_checks(rank: int, world: int) -> dict[str, Any]:
     with torch.inference_mode():
         eager = [bits(in_place(x)) for x in inputs]
     report["in_place_compiled_equals_eager"] = eager == _aot(in_place, inputs)
+    strided = _Strided(block.group)
+    with torch.inference_mode():
+        eager = [bits(strided(x)) for x in inputs]
+    report["strided_compiled_equals_eager"] = eager == _aot(strided, inputs)
     dist.barrier()
     return report
 

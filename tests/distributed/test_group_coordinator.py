@@ -72,6 +72,10 @@ def test_compiled_the_all_reduce_is_in_place_as_eager_for_a_caller_that_ignores_
     assert all(report["in_place_compiled_equals_eager"] for report in compiled)
 
 
+def test_compiled_the_all_reduce_of_a_strided_view_lands_in_the_view_with_the_eager_bits(compiled):
+    assert all(report["strided_compiled_equals_eager"] for report in compiled)
+
+
 def test_compiled_with_staging_off_the_all_reduce_runs_on_the_tensor_itself_with_no_copy_around_it():
     reports = results_or_raise(run_ranks(coordinator_ranks.in_place_checks, 2, timeout_s=600, env=ENV), 2)
     for report in reports:
