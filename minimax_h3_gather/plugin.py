@@ -159,12 +159,13 @@ class _HookOnImport(importlib.abc.MetaPathFinder):
 def register() -> None:
     """Hook the adapter and the diffusion worker now where their modules are loaded, else when first imported.
 
-    Later calls are no-ops. A bad ``VLLM_OMNI_PERSISTENT_COLLECTIVES`` fails the process's start-up, alike on
-    every rank, rather than leave one rank on other collectives than its peers.
+    Later calls are no-ops. A bad ``VLLM_OMNI_PERSISTENT_COLLECTIVES`` or block cap fails the process's start-up,
+    alike on every rank, rather than leave one rank on other collectives than its peers.
     """
-    from vllm_omni.distributed.persistent_collectives import switch_mode
+    from vllm_omni.distributed.persistent_collectives import block_cap, switch_mode
 
     switch_mode()
+    block_cap()
     for name in _HOOKS:
         if (module := sys.modules.get(name)) is not None:  # a spawned worker imports its module before the plugins
             _hook_quietly(module)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -83,7 +84,7 @@ def batch_work(rank: int, world: int) -> dict[str, Any]:
         pending = [work.is_completed() for work in works]  # gloo completes a point-to-point work once waited
         try:
             for work in works:
-                work.get_future().wait() if how == "future" else work.wait()
+                work.get_future().wait() if how == "future" else work.wait(timeout=timedelta(seconds=60))
         except RuntimeError as error:  # gloo's point-to-point works have no future: the staged batch's neither
             for work in works:
                 work.wait()

@@ -166,3 +166,17 @@ def test_a_block_used_on_another_stream_is_ordered_after_its_last_use_before_it_
         *copies,
     ]
     assert report["blocks"] == 1
+
+
+@pytest.mark.parametrize("raw", ["0", "-1", "1.5", "64MiB", "", " ", "\u0663"])
+def test_a_block_cap_that_is_not_a_whole_number_of_mib_from_1_is_an_error_naming_it(raw):
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    with pytest.raises(ValueError, match=f"{pc.CAP_ENV}={raw!r} is not valid; expected a whole number of MiB"):
+        pc.parse_block_cap(raw)
+
+
+def test_the_block_cap_defaults_to_64_mib_and_reads_whole_mib():
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    assert pc.parse_block_cap(None) == 64 << 20 and pc.parse_block_cap(" 8 ") == 8 << 20

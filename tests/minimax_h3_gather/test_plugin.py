@@ -165,6 +165,12 @@ def test_a_bad_switch_fails_the_plugin_load_naming_the_value(worker_stack):
     assert "VLLM_OMNI_PERSISTENT_COLLECTIVES='on' is not valid" in report["error"]
 
 
+def test_a_bad_block_cap_fails_the_plugin_load_naming_the_value(worker_stack):
+    env = {"VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB": "64MiB"}
+    (report,) = results_or_raise(run_ranks(_load_plugins_in_a_worker, 1, "1", env=env), 1)
+    assert "VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB='64MiB' is not valid" in report["error"]
+
+
 _NOT_A_WORKER_PROCESS = """
 import json, sys
 from tests.minimax_h3_gather.test_plugin import _torch_distributed_names

@@ -105,9 +105,9 @@ class _StagedBatch(dist.Work):
             block.busy = False
 
     @torch.compiler.disable  # eager, as the works it waits for
-    def wait(self, *timeout: Any) -> bool:
+    def wait(self, timeout: Any = None) -> bool:
         for work in self._works:
-            work.wait(*timeout)
+            work.wait() if timeout is None else work.wait(timeout)
         self._land()
         return True
 
