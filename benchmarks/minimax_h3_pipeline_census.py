@@ -149,7 +149,8 @@ def projection(run: dict[str, Any], whole: dict[str, Any] | None) -> dict[str, A
     / (tiles_syn x tile_syn^2) x (209 / frames decoded_syn): every rank receives every tile. Text encoder:
     x 1 (the prompt's tokens, 5120 wide in both). Layer: resident = S_seed x 5376 x 2 B (the DiT's bf16
     hidden-state all-reduce, its largest call, a float sum over 4 ranks that the cap cannot chunk, which one
-    workspace of the TP group holds) + the synthetic run's workspaces; copies = 2 x the bytes received by every component but the video VAE (one copy in, one out).
+    workspace of the TP group holds) + the synthetic run's workspaces; copies = 2 x the bytes received by every
+    component but the video VAE (one copy in, one out).
     """
     from minimax_h3_bench.synthetic.pipeline import DIT, REQUEST, VIDEO_VAE
 
