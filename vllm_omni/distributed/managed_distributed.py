@@ -3,7 +3,8 @@
 """``torch.distributed`` for the request path's modules: synchronous tensor collectives through the platform's;
 with persistent blocks, object collectives on the gloo group over the same ranks, as the worker's own are. Traced,
 an even all-to-all goes through the op ``vllm_omni::all_to_all`` and a point-to-point batch runs eagerly. Any other
-name or call (``async_op=True``, other traced calls, uneven list gathers) is ``torch.distributed``'s own.
+name or call (``async_op=True``, other traced calls, uneven or non-contiguous list gathers) is ``torch.distributed``'s
+own.
 """
 
 from __future__ import annotations
