@@ -204,6 +204,7 @@ def capped_fallback(rank: int, world: int) -> dict[str, Any]:
     def failing(nbytes, device, group=None):
         raise RuntimeError(f"injected: no memory for {nbytes} bytes")
 
+    real = collective_workspaces.allocate_bytes
     if rank == 1:
         collective_workspaces.allocate_bytes = failing
     staged, plain = pc.Collectives(persistent=True), pc.Collectives(persistent=False)
@@ -217,10 +218,11 @@ def capped_fallback(rank: int, world: int) -> dict[str, Any]:
         ),
         "all_reduce_int": lambda c: c.all_reduce(data(rank, (MIB // 4,), torch.int64), None),
     }
-    return {
-        "equal": all(bits(call(staged)) == bits(call(plain)) for call in calls.values()),
-        "fallbacks": staged.fallbacks,
-    }
+    try:
+        equal = all(bits(call(staged)) == bits(call(plain)) for call in calls.values())
+    finally:
+        collective_workspaces.allocate_bytes = real
+    return {"equal": equal, "fallbacks": staged.fallbacks}
 
 
 class StandInStream:
@@ -257,3 +259,15 @@ def streams(rank: int, world: int) -> dict[str, Any]:
         log.append(f"call on {name}")
         staged.all_reduce(data(rank, (16,), torch.float32, salt), None)
     return {"log": log, "blocks": len(staged.blocks())}
+
+
+def four_rank_checks(rank: int, world: int) -> dict[str, Any]:
+    """The four-rank checks in one start of the ranks (each start costs seconds of imports), the cap set first: it
+    is read once per process. Batches left in flight come last."""
+    os.environ[CAP_ENV] = "1"
+    checks = (non_member, capped_blocks, capped_fallback, abandoned_batches)
+    return {check.__name__: check(rank, world) for check in checks}
+
+
+def three_rank_checks(rank: int, world: int) -> dict[str, Any]:
+    return {check.__name__: check(rank, world) for check in (batches_in_flight, batch_work)}

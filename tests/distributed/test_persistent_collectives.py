@@ -77,25 +77,35 @@ def test_a_call_that_finds_its_block_busy_runs_on_its_own_tensors_and_leaves_the
         assert report == {"equal": True, "block_kept": True, "fallbacks": 1}
 
 
-def test_batches_nobody_waited_keep_their_blocks_until_the_pool_is_full_then_the_oldest_is_finished_and_reused():
-    for report in results_or_raise(run_ranks(contract_ranks.abandoned_batches, WORLD, timeout_s=300), WORLD):
+@pytest.fixture(scope="module")
+def four():
+    return results_or_raise(run_ranks(contract_ranks.four_rank_checks, WORLD, timeout_s=900), WORLD)
+
+
+@pytest.fixture(scope="module")
+def three():
+    # A stalled batch would hold every rank until the group timeout: 30 s here.
+    return results_or_raise(run_ranks(contract_ranks.three_rank_checks, 3, timeout_s=300, pg_timeout_s=30), 3)
+
+
+def test_batches_nobody_waited_keep_their_blocks_until_the_pool_is_full_then_the_oldest_is_finished_and_reused(four):
+    for report in (checks["abandoned_batches"] for checks in four):
         assert report["equal"] and report["fallbacks"] == 0
         assert report["blocks"] == (8, 8)  # MAX_BATCHES: the pool never grows past it
         assert report["landed"] == [True] + [False] * 7  # the oldest was finished to make room, once
 
 
-def test_batches_in_flight_are_posted_at_once_as_torch_posts_them_and_each_finished_by_its_own_wait():
+def test_batches_in_flight_are_posted_at_once_as_torch_posts_them_and_each_finished_by_its_own_wait(three):
     # Each rank's receive that matches its peer's first batch is in its own second batch: waiting for the first
-    # batch before posting the second would stall every rank until the group timeout (30 s here).
-    reported = run_ranks(contract_ranks.batches_in_flight, 3, timeout_s=120, pg_timeout_s=30)
-    for report in results_or_raise(reported, 3):
+    # batch before posting the second would stall every rank until the group timeout.
+    for report in (checks["batches_in_flight"] for checks in three):
         assert report["equal"] and report["fallbacks"] == 0
         assert report["slowest_s"] < 10, report["slowest_s"]
         assert report["blocks"] == 2 and report["allocations"] == 2  # a pool of two, reused by every later request
 
 
-def test_the_staged_batchs_work_answers_wait_is_completed_exception_and_future_as_a_plain_gloo_batch_does():
-    for report in results_or_raise(run_ranks(contract_ranks.batch_work, 3, timeout_s=300), 3):
+def test_the_staged_batchs_work_answers_wait_is_completed_exception_and_future_as_a_plain_gloo_batch_does(three):
+    for report in (checks["batch_work"] for checks in three):
         assert (
             report["wait"]["staged"]
             == report["wait"]["plain"]
@@ -109,16 +119,16 @@ def test_the_staged_batchs_work_answers_wait_is_completed_exception_and_future_a
         assert report["fallbacks"] == 0
 
 
-def test_on_a_group_this_rank_is_not_in_every_kind_returns_and_leaves_its_tensors_as_plain_does():
-    for rank, report in enumerate(results_or_raise(run_ranks(contract_ranks.non_member, WORLD, timeout_s=300), WORLD)):
+def test_on_a_group_this_rank_is_not_in_every_kind_returns_and_leaves_its_tensors_as_plain_does(four):
+    for rank, report in enumerate(checks["non_member"] for checks in four):
         assert report["staged"]["outcome"] == report["plain"]["outcome"] == "ok", rank
         if rank >= 2:
             assert report["staged"]["untouched"] and report["plain"]["untouched"], rank
 
 
 @pytest.fixture(scope="module")
-def capped():
-    return results_or_raise(run_ranks(contract_ranks.capped_blocks, WORLD, timeout_s=600), WORLD)
+def capped(four):
+    return [checks["capped_blocks"] for checks in four]
 
 
 def test_calls_above_the_cap_go_in_chunks_through_a_block_within_the_cap_with_the_plain_bits(capped):
@@ -140,8 +150,8 @@ def test_on_two_ranks_a_float_sum_goes_in_chunks_with_the_plain_bits():
         assert report == {"equal": True, "chunked_calls": 1, "resident_bytes": 1 << 20}
 
 
-def test_a_rank_without_a_block_runs_the_same_chunks_on_its_own_tensors_so_no_peer_hangs():
-    for rank, report in enumerate(results_or_raise(run_ranks(contract_ranks.capped_fallback, WORLD), WORLD)):
+def test_a_rank_without_a_block_runs_the_same_chunks_on_its_own_tensors_so_no_peer_hangs(four):
+    for rank, report in enumerate(checks["capped_fallback"] for checks in four):
         assert report["equal"], rank
         assert report["fallbacks"] == (4 if rank == 1 else 0), rank
 
