@@ -127,6 +127,15 @@ class _StagedBatch(dist.Work):
         return landed.then(lambda _: (self._land(), [tensor for tensor, _ in self._receives])[1])
 
 
+def _per_device(table: weakref.WeakKeyDictionary, group: Any) -> dict:
+    """The group's entries of ``table``, by device (group None: the default group)."""
+    group = group if group is not None else dist.group.WORLD
+    by_device = table.get(group)
+    if by_device is None:
+        by_device = table[group] = {}
+    return by_device
+
+
 class Collectives:
     """Synchronous collectives whose results land in the caller's tensors; ``persistent`` stages them in blocks.
 
@@ -177,9 +186,7 @@ class Collectives:
         last = self._last
         if last is not None and last[0] is group and last[1] == device:
             return last[2]
-        by_device = self._blocks.get(group if group is not None else dist.group.WORLD)
-        if by_device is None:
-            by_device = self._blocks[group if group is not None else dist.group.WORLD] = {}
+        by_device = _per_device(self._blocks, group)
         block = by_device.get(device)
         if block is None:
             block = by_device[device] = GrowOnlyBlock()
@@ -388,11 +395,7 @@ class Collectives:
 
     def _batch_block(self, group: Any, device: torch.device, nbytes: int) -> GrowOnlyBlock | None:
         """The first free block of the group's pool; a batch complete but never waited lands first."""
-        group = group if group is not None else dist.group.WORLD
-        by_device = self._batches.get(group)
-        if by_device is None:
-            by_device = self._batches[group] = {}
-        pool = by_device.setdefault(device, [])
+        pool = _per_device(self._batches, group).setdefault(device, [])
         free = next((b for b in pool if not b.busy or b.batch.is_completed()), None)
         if free is None and len(pool) < MAX_BATCHES:
             free = GrowOnlyBlock()
