@@ -5,8 +5,10 @@
 Serves a whole synthetic pipeline with ``vllm-omni serve`` on four CPU ranks (VAE patch parallel 4 in tile mode,
 model-level offload, and the DiT's ``--layout``: TP 4 by default) once per run, ``--requests`` identical requests
 each: with the fixes off, with MiniMax-H3's VAE tile gather only (MiniMax-H3 alone), and with the whole-request
-fix. ``--pipeline`` picks the model: ``minimax_h3`` (default) or ``wan2_2`` (Wan2.2 text-to-video, two experts;
-``--layout cfg`` is CFG parallel 2 x Ulysses 2); with ``--model`` it is read from the checkpoint. The servers
+fix. ``--pipeline`` picks the model: ``minimax_h3`` (default; ``--layout hsdp`` is FSDP2 over Ulysses 4),
+``wan2_2`` (Wan2.2 text-to-video, two experts; ``cfg`` is CFG parallel 2 x Ulysses 2, ``spatial_shard`` the VAE's
+spatially sharded decode, ``pp`` pipeline parallel 2 x Ulysses 2) or ``qwen_image`` (Qwen-Image text-to-image,
+joint attention); with ``--model`` it is read from the checkpoint. The servers
 without and with the layer run side by side and take their requests in alternating order, so that their
 request times pair up: the layer's cost. Every worker keeps a census (``minimax_h3_gather.census``): per
 request, component and call site, the calls, bytes moved, and how many buffers were fresh (new to the backend:
@@ -15,6 +17,7 @@ writes ``census.json`` and ``census.png``, and for MiniMax-H3 under TP projects 
 
     python -m benchmarks.minimax_h3_pipeline_census --requests 8 --output-dir out/census
     python -m benchmarks.minimax_h3_pipeline_census --pipeline wan2_2 --layout ulysses --requests 3
+    python -m benchmarks.minimax_h3_pipeline_census --pipeline qwen_image --layout ulysses --requests 3
 """
 
 from __future__ import annotations
@@ -39,12 +42,19 @@ from vllm_omni.distributed.persistent_collectives import SWITCH_ENV
 MIB = 1024 * 1024
 SEQUENCE_LAYOUTS = {"tp": ("--tensor-parallel-size=4",), "ulysses": ("--usp=4",), "ring": ("--ring=4",)}
 # Each pipeline's DiT layouts on four ranks, as vLLM-Omni offers them for it.
+CFG_LAYOUT = ("--cfg-parallel-size=2", "--usp=2")
 LAYOUTS = {
-    "minimax_h3": SEQUENCE_LAYOUTS,
-    "wan2_2": {**SEQUENCE_LAYOUTS, "cfg": ("--cfg-parallel-size=2", "--usp=2")},
+    "minimax_h3": {**SEQUENCE_LAYOUTS, "hsdp": ("--use-hsdp", "--usp=4")},  # FSDP2 shards each block over 4
+    "wan2_2": {
+        **SEQUENCE_LAYOUTS,
+        "cfg": CFG_LAYOUT,
+        "spatial_shard": ("--usp=4", "--vae-parallel-mode=spatial_shard_height"),  # halo exchange in the VAE
+        "pp": ("--pipeline-parallel-size=2", "--usp=2"),  # tensor dicts between the two stages
+    },
+    "qwen_image": {**SEQUENCE_LAYOUTS, "cfg": CFG_LAYOUT},  # joint attention: text beside the image
 }
 # The checkpoints' model_index.json class names vLLM-Omni serves with each pipeline (Wan2.2: text-to-video).
-CLASS_NAMES = {"MiniMaxH3Pipeline": "minimax_h3", "WanPipeline": "wan2_2"}
+CLASS_NAMES = {"MiniMaxH3Pipeline": "minimax_h3", "WanPipeline": "wan2_2", "QwenImagePipeline": "qwen_image"}
 COMMON_FLAGS = tuple(f for f in serve_cpu.SERVE_FLAGS if not f.startswith("--tensor-parallel-size"))
 PROMPT = "a red fox running through fresh snow"
 # Each run's switches: both fixes off, MiniMax-H3's VAE tile gather only, and the whole request.
@@ -54,7 +64,7 @@ RUNS = {
     "whole": {REUSE_ENV: "1", SWITCH_ENV: "1"},
 }
 # Per pipeline, its runs; the first two are served side by side, requests interleaved: the layer on / off, paired.
-PIPELINE_RUNS = {"minimax_h3": ("whole", "vae", "off"), "wan2_2": ("whole", "off")}
+PIPELINE_RUNS = {"minimax_h3": ("whole", "vae", "off"), "wan2_2": ("whole", "off"), "qwen_image": ("whole", "off")}
 # Effective device copy bandwidth for the layer's copy cost at the seed's geometry (an assumption, not measured).
 COPY_GBS = 500.0
 TOTALS = ("calls", "bytes_sent", "bytes_received", "fresh_buffers", "fresh_bytes", "persistent_buffers")
@@ -73,6 +83,7 @@ SEED = {
 }
 # A Wan2.2 A14B text-to-video request at its 480p size (vLLM-Omni #6999 reports the growth for Wan2.2 on XPU).
 WAN_SEED = {"height": 480, "width": 832, "frames": 81, "steps": 2}
+QWEN_SEED = {"height": 1328, "width": 1328, "frames": 1, "steps": 2}  # Qwen-Image's 1:1 size; an image
 
 
 def _run_dir(out: Path, layout: str, run: str) -> Path:
@@ -117,7 +128,8 @@ def serve_and_count(
             for run in runs if index % 2 == 0 else runs[::-1]:
                 start = time.perf_counter()
                 timeout_s = 3600 if real else 600
-                media[run].append(serve_cpu.request_video(servers[run], PROMPT, 0, request, timeout_s))
+                send = serve_cpu.request_image if pipeline == "qwen_image" else serve_cpu.request_video
+                media[run].append(send(servers[run], PROMPT, 0, request, timeout_s))
                 walls[run].append(time.perf_counter() - start)
     results = {}
     for run in runs:
@@ -476,6 +488,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     layouts = sorted({layout for by_pipeline in LAYOUTS.values() for layout in by_pipeline})
     parser.add_argument("--layout", choices=layouts, default="tp", help="DiT parallelism (default tp)")
+    parser.add_argument(
+        "--without-vae-run",
+        action="store_true",
+        help="MiniMax-H3: serve only the runs with both fixes off and on (the VAE-only run isolates the tile gather)",
+    )
     parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")
     parser.add_argument(
@@ -541,6 +558,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def synthetic_checkpoint(pipeline: str, cache_dir: Path | None) -> Path:
+    if pipeline == "qwen_image":
+        from minimax_h3_bench.synthetic.qwen_image import build_synthetic_qwen_image
+
+        return build_synthetic_qwen_image(cache_dir)
     if pipeline == "wan2_2":
         from minimax_h3_bench.synthetic.wan2_2 import build_synthetic_wan2_2
 
@@ -559,7 +580,7 @@ def seed_request(args: argparse.Namespace) -> dict[str, Any] | None:
     """The request sent to a real checkpoint: its pipeline's seed size and steps unless given; None if synthetic."""
     if args.model is None:
         return None
-    seed = SEED if args.pipeline == "minimax_h3" else WAN_SEED
+    seed = {"minimax_h3": SEED, "wan2_2": WAN_SEED, "qwen_image": QWEN_SEED}[args.pipeline]
     request = {
         "height": args.height or seed["height"],
         "width": args.width or seed["width"],
@@ -570,6 +591,11 @@ def seed_request(args: argparse.Namespace) -> dict[str, Any] | None:
         from minimax_h3_bench.synthetic.wan2_2 import REQUEST
 
         request |= {key: REQUEST[key] for key in ("guidance_scale", "negative_prompt")}
+    if args.pipeline == "qwen_image":
+        from minimax_h3_bench.synthetic.qwen_image import REQUEST
+
+        request = {key: value for key, value in request.items() if key != "num_frames"}
+        request |= {key: REQUEST[key] for key in ("true_cfg_scale", "negative_prompt")}
     return request
 
 
@@ -579,7 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model if args.model is not None else synthetic_checkpoint(args.pipeline, args.cache_dir)
     if args.model is None and args.pipeline == "wan2_2":
         from minimax_h3_bench.synthetic.wan2_2 import REQUEST as request
-    names = PIPELINE_RUNS[args.pipeline]
+    if args.model is None and args.pipeline == "qwen_image":
+        from minimax_h3_bench.synthetic.qwen_image import REQUEST as request
+    names = tuple(run for run in PIPELINE_RUNS[args.pipeline] if not (args.without_vae_run and run == "vae"))
     # CPU ranks can share the machine; a server on cards holds them, so the servers then run in turn.
     side_by_side = args.device == "cpu"
     groups = [names[:2], names[2:]] if side_by_side else [(run,) for run in names]

@@ -159,6 +159,20 @@ def request_video(server: Server, prompt: str, seed: int, request: dict | None =
     return response.content
 
 
+def request_image(server: Server, prompt: str, seed: int, request: dict, timeout_s: float = 600) -> bytes:
+    """One text-to-image request (``request``: height, width and the pipeline's fields); returns the PNG."""
+    import base64
+
+    import requests
+
+    fields = {key: value for key, value in request.items() if key not in ("height", "width")}
+    body = {"prompt": prompt, "seed": seed, "n": 1, "size": f"{request['width']}x{request['height']}", **fields}
+    response = requests.post(server.url("/v1/images/generations"), json=body, timeout=timeout_s)
+    if response.status_code != 200:
+        raise RuntimeError(f"POST /v1/images/generations -> {response.status_code}: {response.text[:2000]}")
+    return base64.b64decode(response.json()["data"][0]["b64_json"])
+
+
 @dataclass(frozen=True)
 class Media:
     width: int

@@ -29,7 +29,8 @@ RELEASE = "0.30.0"
 PLUGIN = "minimax_h3_vae_gather"
 TREE_ENV = "VLLM_OMNI_H3_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
 # What the patches carry from this checkout, beside their hand-made changes (vae.py in the first; the coordinator,
-# the platform interface and the request path's imports in the second; the third only carries). ``regenerate``
+# the platform interface and the request path's imports in the second; the third only carries; every diffusion
+# module's import of managed_distributed in the fourth; the worker's and HSDP's in the fifth). ``regenerate``
 # refreshes the last patch: a file the last patch carries is as this checkout has it once every patch is applied;
 # the earlier patches' copies are their own (the first's vae_gather.py has no request-path scoping yet, the
 # second's persistent collectives predate the third's cost and contract changes).
@@ -53,6 +54,8 @@ CARRIED_LAST = (
     "vllm_omni/distributed/collective_workspaces.py",
     "vllm_omni/distributed/persistent_collectives.py",
     "vllm_omni/distributed/managed_distributed.py",
+    "vllm_omni/distributed/traced_collectives.py",
+    "vllm_omni/distributed/persistent_fsdp.py",
     "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
     *(
         f"tests/distributed/{name}"
@@ -63,9 +66,13 @@ CARRIED_LAST = (
             "coordinator_ranks.py",
             "sequence_parallel_ranks.py",
             "contract_ranks.py",
+            "managed_ranks.py",
+            "fsdp_ranks.py",
             "test_persistent_collectives.py",
             "test_group_coordinator.py",
             "test_sequence_parallel.py",
+            "test_managed_distributed.py",
+            "test_persistent_fsdp.py",
         )
     ),
 )

@@ -67,11 +67,16 @@ _FILES = {
     "vae_gather.py": "video_vae",
     "autoencoder_kl_wan.py": "video_vae",
     "distributed_vae_executor.py": "video_vae",  # vLLM-Omni's VAE tile parallelism (Wan2.2)
+    "autoencoder_kl_qwenimage.py": "video_vae",
+    "wan_spatial_shard.py": "video_vae",  # the Wan VAE's spatially sharded decode
     "minimax_h3_transformer.py": "dit",
     "wan2_2_transformer.py": "dit",
+    "qwen_image_transformer.py": "dit",
     "cfg_parallel.py": "dit",  # the CFG branches' gather, once per denoising step
+    "pipeline_parallel.py": "dit",  # the stages' latents and noise predictions
+    "hsdp.py": "dit",
 }
-_PIPELINES = ("pipeline_minimax_h3.py", "pipeline_wan2_2.py")
+_PIPELINES = ("pipeline_minimax_h3.py", "pipeline_wan2_2.py", "pipeline_qwen_image.py")
 _PIPELINE_WORDS = (
     ("text_encoder", ("text", "prompt")),
     ("audio_vae", ("audio",)),
@@ -109,8 +114,10 @@ def compile_record(pipeline: Any) -> dict[str, Any]:
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._dynamo.utils import counters
 
-    dits = [getattr(pipeline, name, None) for name in ("transformer", "transformer_2")]  # Wan2.2 has two experts
-    blocks = [block for dit in dits for block in (getattr(dit, "blocks", None) or [])]
+    dits = [dit for name in ("transformer", "transformer_2") if (dit := getattr(pipeline, name, None)) is not None]
+    # The blocks regional compile compiles: by class name, also under FSDP2's FSDP<name> subclass (HSDP).
+    names = {name for dit in dits for name in getattr(dit, "_repeated_blocks", None) or ()}
+    blocks = [m for dit in dits for m in dit.modules() if any(c.__name__ in names for c in type(m).__mro__)]
     codes = {type(block).forward.__code__ for block in blocks}
     return {
         "dit_compiled": bool(codes) and all(_debug_get_cache_entry_list(code) for code in codes),

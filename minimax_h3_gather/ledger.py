@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import managed_distributed, persistent_collectives
+from vllm_omni.distributed import managed_distributed, persistent_collectives, persistent_fsdp, traced_collectives
 from vllm_omni.distributed.collective_workspaces import is_persistent
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
@@ -78,6 +78,8 @@ _SKIP_FILES = (
     __file__,
     persistent_collectives.__file__,
     managed_distributed.__file__,
+    traced_collectives.__file__,
+    persistent_fsdp.__file__,
 )
 # Where each collective takes its group, by position (keyword "group" otherwise); a p2p batch's is its ops'.
 _GROUP_AT = {

@@ -96,28 +96,45 @@ def hook_worker(module: ModuleType) -> bool:
     if getattr(original, _WORKER_MARK, False):
         return True
 
+    from vllm_omni.distributed import persistent_collectives
+
     @functools.wraps(original)
     def init_device(self, *args, **kwargs):
         hook_request_path()  # before the process groups exist, so that every coordinator is registered
-        return original(self, *args, **kwargs)
+        with persistent_collectives.unstaged():
+            return original(self, *args, **kwargs)
 
     setattr(init_device, _WORKER_MARK, True)
     worker.init_device = init_device
+    load_model = getattr(worker, "load_model", None)
+    if callable(load_model):
+        worker.load_model = _unstaged(load_model)
     return True
+
+
+def _unstaged(method):
+    """``method`` with plain collectives: what loads a model keeps no block of its own."""
+    from vllm_omni.distributed import persistent_collectives
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        with persistent_collectives.unstaged():
+            return method(*args, **kwargs)
+
+    return wrapped
 
 
 def hook_request_path() -> None:
     """In a diffusion worker: the coordinator, the platform and the request path's modules, now or when loaded."""
-    from vllm_omni.distributed.persistent_collectives import switch_mode
-
+    global _request_path_hook
     from . import request_path  # imports vLLM-Omni's distributed modules: in diffusion workers only
 
-    mode = switch_mode()
-    if request_path.COORDINATOR_MODULE in _HOOKS:
+    mode = request_path.persistent_collectives.switch_mode()
+    if _request_path_hook is not None:
         return
-    _HOOKS.update(request_path.HOOKS)
-    for name in request_path.HOOKS:
-        if (module := sys.modules.get(name)) is not None:
+    _request_path_hook = request_path.hook_for
+    for name, module in list(sys.modules.items()):
+        if module is not None and request_path.hook_for(name) is not None:  # imported before this worker started
             _hook_quietly(module)
     logger.info(
         "[PERSISTENT_COLLECTIVES] request path hooked in this diffusion worker (%s=%s, vllm-omni %s)",
@@ -127,12 +144,20 @@ def hook_request_path() -> None:
     )
 
 
-_HOOKS = {ADAPTER_MODULE: hook_adapter, WORKER_MODULE: hook_worker}  # grows by the request path's in a worker
+_HOOKS = {ADAPTER_MODULE: hook_adapter, WORKER_MODULE: hook_worker}
+_request_path_hook = None  # in a diffusion worker: request_path.hook_for
+
+
+def _hooks_of(name: str) -> list:
+    own = _HOOKS.get(name)
+    routed = _request_path_hook(name) if _request_path_hook is not None else None
+    return [hook for hook in (own, routed) if hook is not None]
 
 
 def _hook_quietly(module: ModuleType) -> None:
     try:
-        _HOOKS[module.__name__](module)
+        for hook in _hooks_of(module.__name__):
+            hook(module)
     except Exception:  # never into vLLM-Omni's own import or a worker's start-up
         logger.exception("[H3_VAE_GATHER] plugin could not hook %s; it is left as released", module.__name__)
 
@@ -141,7 +166,7 @@ class _HookOnImport(importlib.abc.MetaPathFinder):
     """Finds nothing itself; wraps the loader of a hooked module so its hook runs right after it."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname not in _HOOKS:
+        if not _hooks_of(fullname):
             return None
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         if spec is None or spec.loader is None:

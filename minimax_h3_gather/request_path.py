@@ -1,11 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""On a released vLLM-Omni, the whole-request fix where patch 0002 puts it upstream.
+"""On a released vLLM-Omni, the whole-request fix where patches 0002 and 0004 put it upstream.
 
-Patch 0002 makes the diffusion ``GroupCoordinator`` call ``persistent_collectives``, gives ``OmniPlatform`` its
-``collectives()``, and imports ``managed_distributed as dist`` in the request path's modules. Here the same
-functions are bound onto the released classes and modules, in a diffusion worker before its groups are made.
-A release whose hooked piece has another shape is logged and left as released; every rank runs the same
+Upstream, the diffusion ``GroupCoordinator`` calls ``persistent_collectives``, ``OmniPlatform`` has its
+``collectives()``, and every module of the diffusion tree that calls a collective imports ``managed_distributed``
+(or ``persistent_fsdp.fully_shard``) where it imported ``torch.distributed``. Here the same rule is applied to the
+released modules in a diffusion worker, as each is loaded: every global of a ``vllm_omni.diffusion`` module that
+names ``torch.distributed``, one of its staged collectives or FSDP2's ``fully_shard`` is rebound, and ``torch``
+itself where the module calls ``torch.distributed.<collective>`` by its full name. A rule rather than a list: a
+model added in a release is routed without an edit here, and ``python -m minimax_h3_gather.reach`` lists what is
+left. A release whose hooked piece has another shape is logged and left as released; every rank runs the same
 release, so every rank decides alike.
 """
 
@@ -13,26 +17,21 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from types import ModuleType
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import managed_distributed, persistent_collectives
+from vllm_omni.distributed import managed_distributed, persistent_collectives, persistent_fsdp
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
 COORDINATOR_MODULE = "vllm_omni.diffusion.distributed.group_coordinator"
 PLATFORM_MODULE = "vllm_omni.platforms.interface"
-# Each request-path module and the globals of it that name torch.distributed, as patch 0002 edits them.
-MODULES = {
-    "vllm_omni.diffusion.models.minimax_h3.pipeline_minimax_h3": ("dist", "torch"),  # torch.distributed.broadcast
-    "vllm_omni.diffusion.models.minimax_h3.chunked_decode": ("dist",),
-    "vllm_omni.diffusion.distributed.comm": ("dist",),
-    "vllm_omni.diffusion.attention.parallel.ulysses": ("dist",),
-    "vllm_omni.diffusion.distributed.autoencoders.distributed_vae_executor": ("dist",),  # VAE tile parallelism
-}
+ROUTED_PACKAGE = "vllm_omni.diffusion."
 _METHODS = {
     "all_reduce": (persistent_collectives.coordinator_all_reduce, ["self", "input_", "op"]),
     "all_gather": (
@@ -41,6 +40,7 @@ _METHODS = {
     ),
     "broadcast": (persistent_collectives.coordinator_broadcast, ["self", "input_", "src"]),
 }
+COORDINATOR_OWNED = frozenset(_METHODS)  # the coordinator's methods replaced by the persistent ones
 _MARK = "_persistent_collectives_hook"
 
 
@@ -52,10 +52,43 @@ class _TorchWithManagedDistributed(ModuleType):
         self.distributed = managed_distributed
 
     def __getattr__(self, name: str):
-        return getattr(torch, name)
+        value = getattr(torch, name)
+        setattr(self, name, value)  # looked up once: later reads are a dict's
+        return value
 
 
-_STAND_INS = {"dist": (dist, managed_distributed), "torch": (torch, _TorchWithManagedDistributed())}
+_TORCH = _TorchWithManagedDistributed()
+_FULL_NAME_CALL = re.compile(r"\btorch\.distributed\.(\w+)\(")
+
+
+# Modules that hand the backend persistent memory of their own: staging their calls again would copy twice.
+OWN_BLOCKS = frozenset({"vllm_omni.diffusion.models.minimax_h3.vae_gather"})
+
+
+def routed(name: str) -> bool:
+    """Whether the rule routes the module ``name``."""
+    return name.startswith(ROUTED_PACKAGE) and name not in OWN_BLOCKS
+
+
+def _calls_by_full_name(module: ModuleType) -> bool:
+    try:
+        source = inspect.getsource(module)
+    except (OSError, TypeError):
+        return False
+    return any(name in managed_distributed.STAGED for name in _FULL_NAME_CALL.findall(source))
+
+
+def _stand_in(value, module: ModuleType):
+    if value is dist:
+        return managed_distributed
+    if value is torch:
+        return _TORCH if _calls_by_full_name(module) else None
+    if value is fully_shard:
+        return persistent_fsdp.fully_shard
+    name = getattr(value, "__name__", None)
+    if name in managed_distributed.STAGED and getattr(dist, name, None) is value:
+        return getattr(managed_distributed, name)
+    return None
 
 
 def hook_coordinator(module: ModuleType) -> bool:
@@ -100,18 +133,25 @@ def hook_platform(module: ModuleType) -> bool:
 
 
 def rebind_module(module: ModuleType) -> list[str]:
-    """Give a request-path module ``managed_distributed`` for the globals that name ``torch.distributed``."""
-    names = [name for name in MODULES[module.__name__] if name in vars(module)]
-    if other := [name for name in names if vars(module)[name] not in _STAND_INS[name]]:
-        logger.warning("[PERSISTENT_COLLECTIVES] %s.%s is not what it was; left as released", module.__name__, other)
-        return []
-    for name in names:
-        setattr(module, name, _STAND_INS[name][1])
-    return [f"{module.__name__}.{name}" for name in names]
+    """Give a routed module the managed stand-in of each global that names torch.distributed's collectives."""
+    rebound = []
+    for name, value in list(vars(module).items()):
+        stand_in = _stand_in(value, module)
+        if stand_in is not None:
+            setattr(module, name, stand_in)
+            rebound.append(f"{module.__name__}.{name}")
+    return rebound
 
 
-HOOKS = {
-    COORDINATOR_MODULE: hook_coordinator,
-    PLATFORM_MODULE: hook_platform,
-    **dict.fromkeys(MODULES, rebind_module),
-}
+def hook_for(name: str):
+    """The hook of the module ``name`` in a diffusion worker, or None."""
+    if name == COORDINATOR_MODULE:
+        return _coordinator_and_module
+    if name == PLATFORM_MODULE:
+        return hook_platform
+    return rebind_module if routed(name) else None
+
+
+def _coordinator_and_module(module: ModuleType) -> bool:
+    rebind_module(module)  # its tensor-dict and point-to-point methods call torch.distributed
+    return hook_coordinator(module)

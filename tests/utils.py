@@ -40,6 +40,8 @@ def use_working_tree() -> None:
         (distributed, DISTRIBUTED_DIR, "collective_workspaces"),
         (distributed, DISTRIBUTED_DIR, "persistent_collectives"),
         (distributed, DISTRIBUTED_DIR, "managed_distributed"),
+        (distributed, DISTRIBUTED_DIR, "traced_collectives"),
+        (distributed, DISTRIBUTED_DIR, "persistent_fsdp"),
     ):
         if str(directory) not in pkg.__path__:
             pkg.__path__.insert(0, str(directory))

@@ -264,9 +264,9 @@ def test_the_seed_table_has_per_rank_growth_between_consecutive_requests_for_eac
     ("argv", "message"),
     [
         (["--requests", "0"], "--requests=0"),
-        (["--layout", "pp"], "invalid choice"),
+        (["--layout", "dp"], "invalid choice"),
         (["--model", "/no/such/checkpoint"], "--model=/no/such/checkpoint: expected a checkpoint directory"),
-        (["--layout", "cfg"], "--layout=cfg: expected one of ['ring', 'tp', 'ulysses'] for minimax_h3"),
+        (["--layout", "cfg"], "--layout=cfg: expected one of ['hsdp', 'ring', 'tp', 'ulysses'] for minimax_h3"),
         (["--pipeline", "flux"], "invalid choice: 'flux'"),
         (["--height", "768"], "--height, --width, --num-frames and --steps need --model"),
         (["--device", "gpu"], "invalid choice: 'gpu'"),

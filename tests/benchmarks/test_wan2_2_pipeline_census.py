@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """The census of the synthetic Wan2.2 text-to-video checkpoint (two experts), served on four CPU ranks with the
-fix off and with the whole-request fix, DiT compiled, in each layout vLLM-Omni offers for it. CI runs Ulysses
-on vLLM-Omni 0.28.0 (its all-to-alls run inside the compiled blocks; Ring's compiled exchange is also
-``tests/distributed/test_sequence_parallel.py``'s); Ring, TP and CFG parallel run with ``--full-census``. On 0.30.0
-CI serves Wan2.2 end to end (``tests/e2e/test_wan2_2_serve_cpu.py``), with the plugin and with patch 0002."""
+fix off and with the whole-request fix, DiT compiled, in each layout vLLM-Omni offers for it. CI runs the VAE's
+spatially sharded decode over Ulysses 4 on vLLM-Omni 0.28.0 (the all-to-alls run inside the compiled blocks, the
+VAE exchanges halos); Ulysses with tile-parallel VAE, Ring, TP and CFG parallel run with ``--full-census`` (Ring's
+compiled exchange is also ``tests/distributed/test_sequence_parallel.py``'s). Pipeline parallelism is
+``test_parallel_paths_census.py``'s. On 0.30.0 CI serves Wan2.2 end to end (``tests/e2e/test_wan2_2_serve_cpu.py``),
+with the plugin and in the patched tree."""
 
 from __future__ import annotations
 
@@ -23,15 +25,18 @@ pytestmark = [
     pytest.mark.distributed,
 ]
 
-REQUESTS = 3
+REQUESTS = 2  # request 1 holds the warm-up and the first allocations; request 2 is the steady state
 # Each layout and what marks the DiT call site that only it has: its collective, or its file.
 LAYOUTS = {
     "ulysses": "all_to_all_single @ ",
     "ring": "batch_isend_irecv @ ",
     "tp": "all_reduce @ ",
     "cfg": "(cfg_parallel.py:",
+    "spatial_shard": "all_to_all_single @ ",
 }
-CI_LAYOUTS = ("ulysses",)
+CI_LAYOUTS = ("spatial_shard",)
+# The VAE's parallel decode: vLLM-Omni's tile executor, or the spatial shard's halo exchange.
+VAE_FILES = {"spatial_shard": "wan_spatial_shard.py"}
 
 
 @pytest.fixture(
@@ -75,7 +80,7 @@ def test_with_the_fix_no_request_has_an_unmanaged_site_and_without_it_the_dit_an
     assert summary["unmanaged_sites"]["whole"] == {}
     sites = summary["unmanaged_sites"]["off"]
     assert any(LAYOUTS[layout] in site for site in sites), sites
-    assert any("distributed_vae_executor.py" in site for site in sites), sites
+    assert any(VAE_FILES.get(layout, "distributed_vae_executor.py") in site for site in sites), sites
 
 
 def test_the_layouts_collectives_are_the_dits_and_the_vae_tiles_are_gathered_on_every_rank(census):

@@ -19,7 +19,9 @@ WATCHED = (
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_single",
+    "reduce_scatter_tensor",
     "broadcast",
+    "all_to_all",
     "all_to_all_single",
     "batch_isend_irecv",
     "barrier",
@@ -176,6 +178,11 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
             managed_distributed.platform_collectives = saved
         return [*outputs, tensor]
 
+    def reduce_scatter(collectives):
+        tensor = data(rank, (world * 3, 2), dtype, salt)
+        output = torch.empty(3, 2, dtype=dtype)
+        return [collectives.reduce_scatter_tensor(output, tensor, group), tensor]
+
     return {
         "all_reduce_sum": all_reduce(dist.ReduceOp.SUM),
         "all_reduce_max": all_reduce(dist.ReduceOp.MAX),
@@ -185,6 +192,7 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
         "all_to_all_uneven": all_to_all_uneven,
         "ring_batch": ring_batch,
         "list_gather": list_gather,
+        "reduce_scatter": reduce_scatter,
     }
 
 

@@ -65,9 +65,19 @@ def eager_checks(rank: int, world: int) -> dict[str, Any]:
         == [bits(data(r, (1, 3), torch.float32)) for r in range(world)],
         "in_place": group.all_reduce(tensor) is tensor,
         "unmanaged": recorder.summary()[0]["unmanaged"],
-        "registered": group.collective_name == group.device_group.group_name,
+        "control": _control_call_keeps_no_block(group),
         "errors": errors,
     }
+
+
+def _control_call_keeps_no_block(group: Any) -> bool:
+    """A collective on the coordinator's gloo group runs plain: no block appears for it, and it reduces."""
+    from vllm_omni.distributed import managed_distributed, persistent_collectives
+
+    collectives, tensor = persistent_collectives.platform_collectives(), torch.ones(3)
+    before = collectives.stats()["blocks"]
+    managed_distributed.all_reduce(tensor, group=group.cpu_group)
+    return collectives.stats()["blocks"] == before and tensor.tolist() == [group.world_size] * 3
 
 
 class _Block(torch.nn.Module):

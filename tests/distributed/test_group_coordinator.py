@@ -37,8 +37,8 @@ def test_with_persistent_buffers_the_coordinator_hands_the_backend_only_blocks(e
     assert all(report["unmanaged"] == 0 for report in eager)
 
 
-def test_each_coordinator_is_registered_under_its_device_groups_name(eager):
-    assert all(report["registered"] for report in eager)
+def test_a_collective_on_the_coordinators_gloo_group_is_control_and_keeps_no_block(eager):
+    assert all(report["control"] for report in eager)
 
 
 def test_bad_arguments_raise_on_every_rank_before_any_collective_naming_the_value(eager):

@@ -19,6 +19,7 @@ KINDS = tuple(collective_ranks.kinds(0, WORLD, collective_ranks.DTYPES[0], 0))
 STAGED_NAMES = (
     "all_reduce",
     "all_gather_into_tensor",
+    "reduce_scatter_tensor",
     "broadcast",
     "all_to_all_single",
     "batch_isend_irecv",

@@ -88,11 +88,13 @@ def test_vllm_omni_loader_hooks_the_adapter_once_and_the_env_decides_the_install
     assert "(vllm-omni 0." in line
 
 
-_REQUEST_PATH = (
+_REQUEST_PATH = (  # by the rule, not a list: any module of the diffusion tree
     "vllm_omni.diffusion.distributed.comm",
     "vllm_omni.diffusion.attention.parallel.ulysses",
     "vllm_omni.diffusion.models.minimax_h3.pipeline_minimax_h3",
+    "vllm_omni.diffusion.distributed.autoencoders.wan_spatial_shard",
 )
+_OUTSIDE = "vllm_omni.model_executor.models.mimo_audio.quantization"  # imports torch.distributed as dist
 
 
 def _torch_distributed_names() -> dict[str, int]:
@@ -106,6 +108,8 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str) -> dict:
     """A diffusion worker's order: its module is imported, then the plugins load, then ``init_device`` runs."""
     import importlib
 
+    import torch
+
     from vllm_omni.diffusion.distributed.group_coordinator import GroupCoordinator
     from vllm_omni.diffusion.worker import diffusion_worker
     from vllm_omni.distributed import managed_distributed
@@ -114,8 +118,9 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str) -> dict:
     from vllm_omni.plugins import load_omni_general_plugins
 
     before = _torch_distributed_names()
-    # Stand-in for the device and process-group set-up (the gloo group is already up in this rank).
-    diffusion_worker.DiffusionWorker.init_device = lambda self: "groups up"
+    # Stand-ins for the device and process-group set-up (the gloo group is already up in this rank) and the load.
+    diffusion_worker.DiffusionWorker.init_device = lambda self: ("groups up", pc.platform_collectives().staged)
+    diffusion_worker.DiffusionWorker.load_model = lambda self, **kwargs: pc.platform_collectives().staged
     os.environ.pop("VLLM_PLUGINS", None)
     os.environ[pc.SWITCH_ENV] = value
     try:
@@ -125,13 +130,22 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str) -> dict:
     routed_before = GroupCoordinator.all_reduce is pc.coordinator_all_reduce
     returned = diffusion_worker.DiffusionWorker.init_device(object())
     modules = [importlib.import_module(name) for name in _REQUEST_PATH]  # loaded after the hook: hooked on import
+    from vllm_omni.diffusion.distributed import group_coordinator, hsdp  # imported before the hook: hooked then
+    from vllm_omni.diffusion.models.minimax_h3 import vae_gather
+    from vllm_omni.distributed import persistent_fsdp
+
     return {
         "routed_before_init_device": routed_before,
         "routed": GroupCoordinator.all_reduce is pc.coordinator_all_reduce,
         "staged": current_omni_platform.collectives().staged,
         "modules_managed": [module.dist is managed_distributed for module in modules],
+        "coordinator_module_managed": group_coordinator.torch.distributed is managed_distributed,
+        "fully_shard_persistent": hsdp.fully_shard is persistent_fsdp.fully_shard,
+        "outside_untouched": importlib.import_module(_OUTSIDE).dist is torch.distributed,
+        "own_blocks_untouched": vae_gather.dist is torch.distributed,  # its gather is into its own workspace
         "torch_distributed_untouched": _torch_distributed_names() == before,
         "returned": returned,
+        "loads_plain": diffusion_worker.DiffusionWorker.load_model(object()) is False,
     }
 
 
@@ -155,8 +169,13 @@ def test_a_diffusion_worker_routes_its_request_path_through_the_platform_and_the
         "routed": True,
         "staged": staged,  # auto: XPU only, and this is the CPU test platform
         "modules_managed": [True] * len(_REQUEST_PATH),
+        "coordinator_module_managed": True,  # its tensor-dict and point-to-point methods name torch.distributed
+        "fully_shard_persistent": True,
+        "outside_untouched": True,
+        "own_blocks_untouched": True,
         "torch_distributed_untouched": True,  # not one torch.distributed or distributed_c10d name replaced
-        "returned": "groups up",
+        "returned": ("groups up", False),  # start-up and model load run plain collectives
+        "loads_plain": True,
     }
 
 

@@ -14,7 +14,7 @@ from importlib.metadata import version
 import pytest
 
 from minimax_h3_bench import upstream_patches
-from minimax_h3_gather import request_path
+from minimax_h3_gather import reach
 from tests.utils import REPO_ROOT
 
 pytestmark = [
@@ -48,8 +48,7 @@ def test_the_adapter_installs_the_fix_itself_and_keeps_none_of_its_own_override(
 
 
 COORDINATOR = "vllm_omni/diffusion/distributed/group_coordinator.py"
-# The modules the plugin binds on a release (``request_path.MODULES``) are the ones the patch edits.
-REQUEST_PATH = tuple(f"{name.replace('.', '/')}.py" for name in request_path.MODULES)
+HSDP = "vllm_omni/diffusion/distributed/hsdp.py"
 
 
 def test_the_coordinator_routes_its_collectives_through_the_platform_and_registers_every_instance(patched):
@@ -61,16 +60,20 @@ def test_the_coordinator_routes_its_collectives_through_the_platform_and_registe
     assert coordinator.count("persistent_collectives.register_coordinator(self)") == 2
 
 
-def test_the_request_paths_modules_use_the_managed_namespace_and_nothing_imports_torch_distributed_as_dist(patched):
-    for relative in REQUEST_PATH:
-        module = (patched / relative).read_text()
-        assert "from vllm_omni.distributed import managed_distributed as dist" in module, relative
-        assert "import torch.distributed as dist" not in module and "torch.distributed.broadcast(" not in module
+def test_every_collective_site_of_the_patched_tree_is_routed_or_reviewed_without_the_plugin(patched, capsys):
+    assert reach.main(["--tree", str(patched / "vllm_omni" / "diffusion"), "--without-plugin"]) == 0, (
+        capsys.readouterr().err
+    )
 
 
-def test_the_worker_is_as_released_no_process_wide_install(patched):
+def test_hsdp_shards_with_the_persistent_fully_shard(patched):
+    assert "from vllm_omni.distributed.persistent_fsdp import fully_shard" in (patched / HSDP).read_text()
+
+
+def test_the_worker_starts_and_loads_with_plain_collectives_and_installs_nothing_process_wide(patched):
     worker = (patched / WORKER).read_text()
-    assert "persistent_collectives" not in worker and "install_persistent_collectives" not in worker
+    assert worker.count("persistent_collectives.unstaged()") == 2  # around init_device, inside load_model
+    assert "install_persistent_collectives" not in worker
 
 
 def _added_non_test_lines(patch) -> int:
@@ -88,15 +91,16 @@ def _added_non_test_lines(patch) -> int:
     return added
 
 
-@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("index", [0, 1, 2, 3, 4])
 def test_each_patch_adds_at_most_360_non_test_lines_so_it_reads_in_one_sitting(index):
     assert 0 < _added_non_test_lines(upstream_patches.patch_files()[index]) <= 360
 
 
-def test_there_are_three_patches_the_vae_one_the_whole_request_one_then_its_cost_and_contract():
+def test_there_are_five_patches_vae_whole_request_cost_and_contract_then_every_module_and_kind():
     names = [patch.name for patch in upstream_patches.patch_files()]
-    assert [name[:4] for name in names] == ["0001", "0002", "0003"]
+    assert [name[:4] for name in names] == ["0001", "0002", "0003", "0004", "0005"]
     assert "MiniMax-H3" in names[0] and "request-path" in names[1] and "Persistent-collectives-at-the-cost" in names[2]
+    assert "Every-diffusion-module" in names[3] and "Stage-every-collective-kind" in names[4]
 
 
 @pytest.mark.parametrize("relative", upstream_patches.CARRIED)

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""``torch.distributed`` for the request path's modules: synchronous tensor collectives through the platform's;
-with persistent blocks, object collectives on the gloo group over the same ranks, as the worker's own are. Traced,
-an even all-to-all goes through the op ``vllm_omni::all_to_all`` and a point-to-point batch runs eagerly. Any other
-name or call (``async_op=True``, other traced calls, uneven or non-contiguous list gathers) is ``torch.distributed``'s
-own.
+"""``torch.distributed`` for the request path's modules. Tensor collectives go through the platform's, eager, and
+through the ops of ``traced_collectives`` when compiled; ``async_op=True`` runs them at once and returns a
+finished work (every rank calls collectives in the same order, so none waits on a later one). Point-to-point
+calls run as staged batches, eagerly. With persistent blocks, object collectives run on the gloo group over the
+same ranks, as the worker's own do. Any other name or call (uneven or non-contiguous list gathers, ``group_src``
+and the like) is ``torch.distributed``'s own.
 """
 
 from __future__ import annotations
@@ -12,50 +13,160 @@ from __future__ import annotations
 import torch
 import torch.distributed as _dist
 
-from .persistent_collectives import cpu_twin, platform_collectives
+from . import traced_collectives as traced
+from .persistent_collectives import cpu_twin, finished_work, platform_collectives
+
+# What a module that names one of these reaches staged, eager and traced alike (the reach check reads it).
+STAGED = frozenset(
+    {
+        "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+        "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "batch_isend_irecv",
+        "isend", "irecv", "send", "recv", "barrier", "broadcast_object_list", "all_gather_object",
+    }
+)  # fmt: skip
 
 
 def __getattr__(name: str):
     return getattr(_dist, name)
 
 
-def _plain(async_op: bool) -> bool:
-    return async_op or torch.compiler.is_compiling()
+def _done(async_op: bool):
+    return finished_work() if async_op else None
 
 
 def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
-    if _plain(async_op):
-        return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    if torch.compiler.is_compiling():
+        if async_op or (name := traced.reduce_name(op)) is None:
+            return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        traced.all_reduce(tensor, name, group)
+        return None
     platform_collectives().all_reduce(tensor, group, op)
+    return _done(async_op)
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    if _plain(async_op) or src is None or group_src is not None:
+    if src is None or group_src is not None or (async_op and torch.compiler.is_compiling()):
         return _dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+    if torch.compiler.is_compiling():
+        traced.broadcast(tensor, src, group)
+        return None
     platform_collectives().broadcast(tensor, src, group)
+    return _done(async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     even = all(t.shape == tensor.shape and t.dtype == tensor.dtype and t.is_contiguous() for t in tensor_list)
-    if _plain(async_op) or not even:
+    if not even or (async_op and torch.compiler.is_compiling()):
         return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+    if torch.compiler.is_compiling():
+        parts = traced.all_gather(tensor, group).view(len(tensor_list), *tensor.shape).unbind(0)
+        for out, part in zip(tensor_list, parts, strict=True):
+            out.copy_(part)
+        return None
     platform_collectives().all_gather_into_tensor(tensor_list, tensor, group)
+    return _done(async_op)
+
+
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    if not output_tensor.is_contiguous() or (async_op and torch.compiler.is_compiling()):
+        return _dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+    if torch.compiler.is_compiling():
+        output_tensor.copy_(traced.all_gather(input_tensor, group).view(output_tensor.shape))
+        return None
+    platform_collectives().all_gather_into_tensor(output_tensor, input_tensor.contiguous(), group)
+    return _done(async_op)
+
+
+all_gather_single = all_gather_into_tensor  # torch 2.13's name for it
+
+
+def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, async_op=False):
+    contiguous = output.is_contiguous() and input.is_contiguous()
+    if not contiguous or (torch.compiler.is_compiling() and (async_op or traced.reduce_name(op) is None)):
+        return _dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+    if torch.compiler.is_compiling():
+        output.copy_(traced.reduce_scatter(input, traced.reduce_name(op), group).view(output.shape))
+        return None
+    platform_collectives().reduce_scatter_tensor(output, input, group, op)
+    return _done(async_op)
+
+
+reduce_scatter_single = reduce_scatter_tensor
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
-    even = output_split_sizes is None and input_split_sizes is None
-    if torch.compiler.is_compiling() and even and not async_op:  # traced: the registered op stages it when run
-        group_name = (group if group is not None else _dist.group.WORLD).group_name
-        output.copy_(torch.ops.vllm_omni.all_to_all(input.contiguous(), group_name))
+    splits = (output_split_sizes, input_split_sizes)
+    contiguous = output.is_contiguous() and input.is_contiguous()
+    if not contiguous or (async_op and torch.compiler.is_compiling()):
+        return _dist.all_to_all_single(output, input, *splits, group=group, async_op=async_op)
+    if torch.compiler.is_compiling():
+        output.copy_(traced.all_to_all(input, *splits, group).view(output.shape))
         return None
-    if _plain(async_op) or not (output.is_contiguous() and input.is_contiguous()):
-        return _dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
-    platform_collectives().all_to_all_single(output, input, group, output_split_sizes, input_split_sizes)
+    platform_collectives().all_to_all_single(output, input, group, *splits)
+    return _done(async_op)
 
 
-@torch.compiler.disable  # Dynamo breaks the graph at a batch anyway; run eagerly, it is staged
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    """Equal tensors go as one staged ``all_to_all_single`` of their stack: the same bits, one copy more."""
+    first = input_tensor_list[0]
+    parts = [*output_tensor_list, *input_tensor_list]
+    even = all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in parts)
+    if not even or (async_op and torch.compiler.is_compiling()):
+        return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+    received = first.new_empty((len(output_tensor_list), *first.shape))
+    work = all_to_all_single(received, torch.stack(input_tensor_list), group=group, async_op=async_op)
+    for out, part in zip(output_tensor_list, received.unbind(0), strict=True):
+        out.copy_(part)
+    return work
+
+
+@torch.compiler.disable  # Dynamo breaks the graph at point-to-point calls anyway; run eagerly, they are staged
 def batch_isend_irecv(p2p_op_list):
     return platform_collectives().batch_isend_irecv(p2p_op_list)
+
+
+def _p2p(op, tensor, peer, group, tag, group_peer):
+    if peer is None or group_peer is not None:
+        return None  # by rank within the group, or from any source: torch's own
+    return batch_isend_irecv([_dist.P2POp(op, tensor, peer, group, tag)])[0]
+
+
+def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
+    work = _p2p(_dist.isend, tensor, dst, group, tag, group_dst)
+    return work if work is not None else _dist.isend(tensor, dst, group, tag, group_dst)
+
+
+def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+    work = _p2p(_dist.irecv, tensor, src, group, tag, group_src)
+    return work if work is not None else _dist.irecv(tensor, src, group, tag, group_src)
+
+
+def send(tensor, dst=None, group=None, tag=0, group_dst=None):
+    work = _p2p(_dist.isend, tensor, dst, group, tag, group_dst)
+    if work is None:
+        return _dist.send(tensor, dst, group, tag, group_dst)
+    work.wait()
+
+
+def recv(tensor, src=None, group=None, tag=0, group_src=None):
+    work = _p2p(_dist.irecv, tensor, src, group, tag, group_src)
+    if work is None:
+        return _dist.recv(tensor, src, group, tag, group_src)
+    work.wait()
+    return src
+
+
+_TORCH_P2P = {isend: _dist.isend, irecv: _dist.irecv}
+
+
+class P2POp(_dist.P2POp):
+    """torch's, also taking this module's ``isend`` and ``irecv`` as its op: a module names them ``dist.isend``."""
+
+    def __new__(cls, op, tensor, *args, **kwargs):
+        return super().__new__(cls, _TORCH_P2P.get(op, op), tensor, *args, **kwargs)
+
+    def __init__(self, op, tensor, *args, **kwargs):
+        super().__init__(_TORCH_P2P.get(op, op), tensor, *args, **kwargs)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
@@ -63,7 +174,8 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
 
     collectives, device = platform_collectives(), current_omni_platform.get_torch_device()
     gloo_on_a_device = device.type != "cpu" and _dist.get_backend(group) == "gloo"  # no device tensors there
-    if _plain(async_op) or timeout is not None or not collectives.staged or gloo_on_a_device:
+    plain = async_op or torch.compiler.is_compiling() or timeout is not None
+    if plain or not collectives.staged or gloo_on_a_device:
         return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)
     collectives.barrier(group, device)
 

@@ -127,6 +127,11 @@ class _StagedBatch(dist.Work):
         return landed.then(lambda _: (self._land(), [tensor for tensor, _ in self._receives])[1])
 
 
+def finished_work() -> dist.Work:
+    """The work of a collective already run, for an ``async_op=True`` caller to wait on."""
+    return _StagedBatch([], [], None)
+
+
 def _per_device(table: weakref.WeakKeyDictionary, group: Any) -> dict:
     """The group's entries of ``table``, by device (group None: the default group)."""
     group = group if group is not None else dist.group.WORLD
@@ -153,7 +158,7 @@ class Collectives:
         self._logged: set[str] = set()
 
     def blocks(self) -> list[GrowOnlyBlock]:
-        singles = [block for by_device in list(self._blocks.values()) for block in by_device.values()]
+        singles = [b for by_device in list(self._blocks.values()) for b in by_device.values() if b is not None]
         pools = [pool for by_device in list(self._batches.values()) for pool in by_device.values()]
         return singles + [block for pool in pools for block in pool]
 
@@ -178,18 +183,20 @@ class Collectives:
         if device.index is None and device.type not in ("cpu", "meta"):
             device = resolve_device(device)
         block = self._lookup(group, device)
+        if block is None:  # a control group: its tensors never reach the device backend
+            return None
         if block.busy:
             return self._fall_back(name, "its block is in use")
         return self._lease(name, block, group, device, nbytes)
 
-    def _lookup(self, group: Any, device: torch.device) -> GrowOnlyBlock:
+    def _lookup(self, group: Any, device: torch.device) -> GrowOnlyBlock | None:
         last = self._last
         if last is not None and last[0] is group and last[1] == device:
             return last[2]
         by_device = _per_device(self._blocks, group)
-        block = by_device.get(device)
-        if block is None:
-            block = by_device[device] = GrowOnlyBlock()
+        if device not in by_device:
+            by_device[device] = None if group in _control_groups else GrowOnlyBlock()
+        block = by_device[device]
         self._last = (group, device, block)
         return block
 
@@ -314,7 +321,13 @@ class Collectives:
         if output_split_sizes is not None or input_split_sizes is not None or width * world != input.numel():
             step = width  # staged whole
         if step == width:
-            return self._all_to_all_whole(output, input, group, splits)
+            return self._whole(
+                "all_to_all_single",
+                output,
+                input,
+                group,
+                lambda o, i: dist.all_to_all_single(o, i, *splits, group=group),
+            )
         block = self._acquire("all_to_all_single", group, input.device, 2 * aligned(world * step * size))
         rows_in, rows_out = input.view(world, width), output.view(world, width)
         try:
@@ -334,20 +347,30 @@ class Collectives:
         self.chunked_calls += 1
         return output
 
-    def _all_to_all_whole(self, output, input, group, splits):
-        block = self._acquire("all_to_all_single", group, input.device, aligned(input.nbytes) + output.nbytes)
+    def _whole(self, name: str, output: torch.Tensor, input: torch.Tensor, group: Any, run: Callable):
+        """``run(output, input)`` out of place on the two staged in one block."""
+        block = self._acquire(name, group, input.device, aligned(input.nbytes) + output.nbytes)
         if block is None:
-            dist.all_to_all_single(output, input, *splits, group=group)
+            run(output, input)
             return output
         try:
             sent = block.view(input.shape, input.dtype)
             received = block.view(output.shape, output.dtype, aligned(input.nbytes))
             self._copy(sent, input)
-            dist.all_to_all_single(received, sent, *splits, group=group)
+            run(received, sent)
             self._copy(output, received)
         finally:
             block.busy = False
         return output
+
+    def reduce_scatter_tensor(self, output, input, group, op=dist.ReduceOp.SUM):
+        """Contiguous tensors; staged whole, as chunks would change a floating-point sum's bits."""
+        if not self.staged or group is _NON_MEMBER:
+            dist.reduce_scatter_tensor(output, input, op=op, group=group)
+            return output
+        self.payload_bytes += input.nbytes
+        run = lambda o, i: dist.reduce_scatter_tensor(o, i, op=op, group=group)  # noqa: E731
+        return self._whole("reduce_scatter_tensor", output, input, group, run)
 
     def barrier(self, group: Any, device: torch.device) -> None:
         """Staged, an all-reduce of a persistent element and a device sync (XCCL's barrier makes a new element)."""
@@ -368,7 +391,7 @@ class Collectives:
         """Staged, sends are copied in now and receives out when the batch lands; batches in flight each hold a
         block of their group's pool until then, and are posted at once, as torch posts them."""
         group, device = ops[0].group, ops[0].tensor.device
-        if not self.staged or group is _NON_MEMBER:
+        if not self.staged or group is _NON_MEMBER or group in _control_groups:
             return dist.batch_isend_irecv(ops)
         sizes = [aligned(op.tensor.nbytes) for op in ops]
         block = self._batch_block(group, device, sum(sizes))
@@ -426,26 +449,50 @@ def collectives_for(device_type: str) -> Collectives:
 
 
 _choose: Callable[[], Collectives] | None = None
+_loading = False
+
+
+@contextlib.contextmanager
+def unstaged():
+    """Plain collectives while a worker loads its model: a one-off weight broadcast keeps no block of its size."""
+    global _loading
+    before, _loading = _loading, True
+    try:
+        yield
+    finally:
+        _loading = before
 
 
 def platform_collectives() -> Collectives:
-    """The current platform's choice; by the switch alone where the platform makes none."""
+    """The current platform's choice (plain while loading); by the switch alone where the platform makes none."""
+    if _loading:
+        return _PLAIN
+    return (_choose or _resolve())()
+
+
+def platform_choice() -> Collectives:
+    """The current platform's choice, also while loading (for what is set up then and staged later)."""
+    return (_choose or _resolve())()
+
+
+def _resolve() -> Callable[[], Collectives]:
     global _choose
-    if _choose is None:  # the platform is resolved once per process
-        from vllm_omni.platforms import current_omni_platform as platform
+    from vllm_omni.platforms import current_omni_platform as platform  # resolved once per process
 
-        choose = getattr(platform, "collectives", None)
-        _choose = choose if callable(choose) else lambda: collectives_for(platform.device_type)
-    return _choose()
+    choose = getattr(platform, "collectives", None)
+    _choose = choose if callable(choose) else lambda: collectives_for(platform.device_type)
+    return _choose
 
 
-# Each CPU group stands in for its device group's object collectives.
+# Each CPU group stands in for its device group's object collectives; its own calls are control, never staged.
 _cpu_twins: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_control_groups: weakref.WeakSet = weakref.WeakSet()
 
 
 def register_coordinator(coordinator: Any) -> None:
-    coordinator.collective_name = coordinator.device_group.group_name  # how the ops find its group
     _cpu_twins[coordinator.device_group] = _cpu_twins[coordinator.cpu_group] = coordinator.cpu_group
+    if coordinator.cpu_group is not coordinator.device_group:
+        _control_groups.add(coordinator.cpu_group)
     if coordinator.world_size == dist.get_world_size():  # the default group spans the same ranks
         _cpu_twins.setdefault(dist.group.WORLD, coordinator.cpu_group)
 
@@ -455,58 +502,20 @@ def cpu_twin(group: Any) -> Any:
     return _cpu_twins.get(group if group is not None else dist.group.WORLD)
 
 
-def _device_group(group_name: str) -> Any:
-    return dist.distributed_c10d._resolve_process_group(group_name)  # as torch's functional collectives do
-
-
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-@torch.library.custom_op("vllm_omni::all_reduce", mutates_args=("tensor",))
-def _all_reduce_op(tensor: torch.Tensor, op: str, group_name: str) -> None:
-    platform_collectives().all_reduce(tensor, _device_group(group_name), _OPS[op])
-
-
-@torch.library.custom_op("vllm_omni::all_gather", mutates_args=())
-def _all_gather_op(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    out = tensor.new_empty((world_size * tensor.shape[0], *tensor.shape[1:]))
-    return platform_collectives().all_gather_into_tensor(out, tensor, _device_group(group_name))
-
-
-@torch.library.custom_op("vllm_omni::all_to_all", mutates_args=())
-def _all_to_all_op(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
-    out = torch.empty_like(tensor)
-    return platform_collectives().all_to_all_single(out, tensor, _device_group(group_name))
-
-
-_all_reduce_op.register_fake(lambda tensor, op, group_name: None)
-_all_gather_op.register_fake(lambda t, world_size, group_name: t.new_empty((world_size * t.shape[0], *t.shape[1:])))
-_all_to_all_op.register_fake(lambda tensor, group_name: torch.empty_like(tensor))
-for _op in (_all_reduce_op, _all_gather_op, _all_to_all_op):
-    torch.fx.node.has_side_effect(_op._opoverload)  # every rank runs it, used or not: never dead code
-
-
 def coordinator_all_reduce(self, input_: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """``GroupCoordinator.all_reduce``: in place where it can be; use the return value."""
     if self.world_size == 1:
         return input_
     if not torch.compiler.is_compiling():
         return platform_collectives().all_reduce(input_, self.device_group, op)
-    name = next((name for name, reduce in _OPS.items() if op == reduce), None)
-    if name is None or getattr(self, "collective_name", None) is None:
+    if (name := traced_collectives.reduce_name(op)) is None:
         dist.all_reduce(input_, op=op, group=self.device_group)  # traced as torch traces it
-    elif input_.is_contiguous():
-        torch.ops.vllm_omni.all_reduce(input_, name, self.collective_name)  # in place: no copy around it
-    else:  # reduced in row-major order, as torch's traced all-reduce reduces a strided tensor
-        staged = input_.contiguous()
-        torch.ops.vllm_omni.all_reduce(staged, name, self.collective_name)
-        input_.copy_(staged)
-    return input_
+        return input_
+    return traced_collectives.all_reduce(input_, name, self.device_group)
 
 
 def coordinator_all_gather(self, input_: torch.Tensor, dim: int = 0, separate_tensors: bool = False, group=None):
     """``GroupCoordinator.all_gather``: ranks' tensors concatenated along ``dim``, or each rank's (any ``dim``)."""
-    by_name = group is None and getattr(self, "collective_name", None) is not None
     group = self.device_group if group is None else group
     world_size = dist.get_world_size(group)
     if world_size == 1:
@@ -514,14 +523,11 @@ def coordinator_all_gather(self, input_: torch.Tensor, dim: int = 0, separate_te
     if not -input_.dim() <= dim < input_.dim():
         raise ValueError(f"dim={dim} for a tensor of shape {tuple(input_.shape)}: expected a dim of it")
     input_ = input_.contiguous()
-    if torch.compiler.is_compiling() and by_name:
-        stacked = torch.ops.vllm_omni.all_gather(input_, world_size, self.collective_name)
+    if torch.compiler.is_compiling():
+        stacked = traced_collectives.all_gather(input_, group)
     else:
         stacked = input_.new_empty((world_size * input_.shape[0], *input_.shape[1:]))
-        if torch.compiler.is_compiling():
-            dist.all_gather_into_tensor(stacked, input_, group=group)  # traced as torch traces it
-        else:
-            platform_collectives().all_gather_into_tensor(stacked, input_, group)
+        platform_collectives().all_gather_into_tensor(stacked, input_, group)
     parts = stacked.view(world_size, *input_.shape).unbind(0)
     if separate_tensors:
         return list(parts)
@@ -535,3 +541,6 @@ def coordinator_broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Ten
     if self.world_size == 1:
         return input_
     return platform_collectives().broadcast(input_, self.ranks[src], self.device_group)
+
+
+from . import traced_collectives  # noqa: E402  (the ops it registers call back into this module)

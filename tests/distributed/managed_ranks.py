@@ -1,0 +1,104 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""What each gloo rank runs for the ``managed_distributed`` tests: every collective a request-path module calls
+through it, eager and compiled, with ``torch.distributed`` itself as the oracle."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.distributed.collective_ranks import SWITCH_ENV, BackendRecorder, bits, data, run_switched
+
+
+def every_kind(d: Any, x: torch.Tensor) -> list[torch.Tensor]:
+    """Each tensor collective through ``d`` (``torch.distributed`` or ``managed_distributed``); the results."""
+    rank, world, group = dist.get_rank(), dist.get_world_size(), dist.group.WORLD
+    reduced = x * 2
+    d.all_reduce(reduced, group=group)
+    sent = x + 1
+    d.broadcast(sent, src=world - 1, group=group)
+    listed = [torch.empty_like(x) for _ in range(world)]
+    d.all_gather(listed, x, group=group)
+    into = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    d.all_gather_into_tensor(into, x, group=group)
+    scattered = torch.empty_like(x)
+    d.reduce_scatter_tensor(scattered, torch.cat([x * (peer + 1) for peer in range(world)]), group=group)
+    swapped = x.new_empty((world * x.shape[0], *x.shape[1:]))
+    d.all_to_all_single(swapped, torch.cat([x - peer for peer in range(world)]), group=group)
+    sends = [1 + (rank + peer) % 2 for peer in range(world)]  # rows this rank sends each peer
+    takes = [1 + (peer + rank) % 2 for peer in range(world)]
+    uneven_in = x[:1].expand(sum(sends), -1) * (rank + 1)
+    uneven = x.new_empty((sum(takes), x.shape[1]))
+    d.all_to_all_single(uneven, uneven_in.contiguous(), takes, sends, group=group)
+    parts = [torch.empty_like(x) for _ in range(world)]
+    d.all_to_all(parts, [x * (peer + 3) for peer in range(world)], group=group)
+    return [reduced, sent, *listed, into, scattered, swapped, uneven, *parts, x]
+
+
+class _EveryKind(torch.nn.Module):
+    def __init__(self, d: Any) -> None:
+        super().__init__()
+        self.d = d
+        self.linear = torch.nn.Linear(8, 8)
+        torch.nn.init.normal_(self.linear.weight, generator=torch.Generator().manual_seed(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t.flatten() for t in every_kind(self.d, self.linear(x))])
+
+
+def eager_extras(d: Any, rank: int, world: int) -> list[torch.Tensor]:
+    """``async_op=True`` and point-to-point calls, eager only (Dynamo breaks the graph at them)."""
+    x = data(rank, (3, 4), torch.float32, salt=5)
+    reduced = x.clone()
+    work = d.all_reduce(reduced, async_op=True)
+    work.wait()
+    ahead, behind = (rank + 1) % world, (rank - 1) % world
+    got_async, got_sync = torch.zeros_like(x), torch.zeros_like(x)
+    works = [d.isend(x, ahead), d.irecv(got_async, behind)]
+    for work in works:
+        work.wait()
+    if rank % 2 == 0:  # sends first on even ranks, receives first on odd ones: no cycle of blocking calls
+        d.send(x * 2, ahead)
+        source = d.recv(got_sync, behind)
+    else:
+        source = d.recv(got_sync, behind)
+        d.send(x * 2, ahead)
+    return [reduced, got_async, got_sync, torch.tensor([source]), x]
+
+
+def checks(rank: int, world: int) -> dict[str, Any]:
+    import torch._inductor.config
+    from torch._dynamo.utils import counters
+
+    from vllm_omni.distributed import managed_distributed
+
+    torch._inductor.config.force_disable_caches = True
+    torch.set_num_threads(1)
+    inputs = [data(rank, (rows, 8), torch.float32, salt=rows) for rows in (2, 4)]
+    report: dict[str, Any] = {}
+    module = _EveryKind(dist)
+    with torch.inference_mode():
+        oracle = [bits(module(x)) for x in inputs]
+        extras_oracle = [bits(t) for t in eager_extras(dist, rank, world)]
+    module.d = managed_distributed
+    for switch in ("0", "1"):
+        report[f"eager{switch}"] = run_switched(switch, module, inputs)
+        recorder = BackendRecorder()
+        with torch.inference_mode(), recorder:
+            report[f"extras{switch}"] = [bits(t) for t in eager_extras(managed_distributed, rank, world)]
+        report[f"extras_unmanaged{switch}"] = recorder.summary()[0]["unmanaged"]
+    for backend in ("aot_eager", "inductor"):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(module, backend=backend, dynamic=True, fullgraph=True)
+        for switch in ("0", "1"):
+            report[f"{backend}{switch}"] = run_switched(switch, compiled, inputs)
+            report[f"{backend}_breaks{switch}"] = sum(counters["graph_break"].values())
+    report["oracle"], report["extras_oracle"] = oracle, extras_oracle
+    os.environ[SWITCH_ENV] = "0"
+    dist.barrier()
+    return report

@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""Every collective ``managed_distributed`` stages, as a request-path module calls it, on four gloo ranks: eager and
+compiled whole-graph (Inductor and ``aot_eager``, dynamic shapes), with ``torch.distributed`` as the oracle."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import managed_ranks
+from tests.distributed.ranks import results_or_raise, run_ranks
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return results_or_raise(run_ranks(managed_ranks.checks, WORLD, timeout_s=900), WORLD)
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_eager_every_kind_gives_torchs_bits_switch_off_and_on(reports, switch):
+    assert all(report[f"eager{switch}"][0] == report["oracle"] for report in reports)
+
+
+def test_eager_async_and_point_to_point_calls_give_torchs_bits_and_return_what_torch_returns(reports):
+    assert all(report["extras1"] == report["extras0"] == report["extras_oracle"] for report in reports)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_the_switch_on_gives_the_bits_of_the_switch_off(reports, backend):
+    assert all(report[f"{backend}1"][0] == report[f"{backend}0"][0] for report in reports)
+
+
+def test_compiled_aot_eager_gives_torchs_eager_bits(reports):
+    assert all(report["aot_eager1"][0] == report["oracle"] for report in reports)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_every_kind_traces_into_one_graph_either_way(reports, backend):
+    assert all(report[f"{backend}_breaks0"] == report[f"{backend}_breaks1"] == 0 for report in reports)
+
+
+@pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
+def test_staged_the_backend_is_handed_only_blocks_and_plain_it_is_handed_the_callers_tensors(reports, mode):
+    for report in reports:
+        assert report[f"{mode}0"][1]["unmanaged"] > 0 and report[f"{mode}1"][1]["unmanaged"] == 0, report[mode + "1"]
+
+
+def test_staged_async_and_point_to_point_calls_hand_the_backend_only_blocks(reports):
+    assert all(report["extras_unmanaged0"] > 0 and report["extras_unmanaged1"] == 0 for report in reports)

@@ -1,0 +1,66 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""FSDP2's parameter all-gather through ``persistent_fsdp`` on four gloo ranks, as vLLM-Omni's HSDP shards a DiT."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.distributed import fsdp_ranks
+from tests.distributed.ranks import results_or_raise, run_ranks
+
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def reports():
+    return results_or_raise(run_ranks(fsdp_ranks.checks, WORLD, timeout_s=600), WORLD)
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_the_sharded_model_gives_torchs_fully_shard_bits(reports, switch):
+    assert all(report[switch]["equal"] for report in reports)
+
+
+def test_staged_every_unit_gathers_into_persistent_blocks_and_plain_none_does(reports):
+    for report in reports:
+        assert set(report["1"]["custom"]) == {"PersistentAllGather"}
+        assert "PersistentAllGather" not in report["0"]["custom"]
+
+
+def test_staged_from_the_second_request_on_the_gathers_hand_the_backend_no_new_buffer(reports):
+    for report in reports:
+        staged, plain = report["1"]["requests"], report["0"]["requests"]
+        assert [r["fresh"] for r in staged[1:]] == [0, 0] and all(r["unmanaged"] == 0 for r in staged), staged
+        assert all(r["fresh"] > 0 and r["unmanaged"] > 0 for r in plain), plain  # what the fix removes
+
+
+def test_no_output_handed_back_lives_in_a_block(reports):
+    assert not any(report[switch]["outputs_in_blocks"] for report in reports for switch in "01")
+
+
+def test_every_unit_shares_two_blocks_each_no_larger_than_the_largest_units_gather(reports):
+    from vllm_omni.distributed.collective_workspaces import aligned
+
+    for report in reports:
+        assert len(report["slots"]) == 2 and 0 < max(report["slots"]) <= aligned(report["1"]["largest_unit_bytes"])
+
+
+def test_with_deeper_prefetch_than_two_units_the_outputs_never_share_a_block_in_use(reports):
+    assert all(report["prefetch_equal"] for report in reports)
+
+
+def test_a_block_is_handed_out_again_only_once_its_last_output_is_dropped():
+    import torch
+
+    from vllm_omni.distributed.persistent_fsdp import PersistentAllGather
+
+    comm, cpu = PersistentAllGather(), torch.device("cpu")
+    first, second = (comm.allocate((8,), dtype=torch.float32, device=cpu) for _ in range(2))
+    third = comm.allocate((8,), dtype=torch.float32, device=cpu)  # both blocks hold a live output
+    blocks = {first.data_ptr(), second.data_ptr()}
+    assert len(blocks) == 2 and third.data_ptr() not in blocks
+    del first
+    assert comm.allocate((8,), dtype=torch.float32, device=cpu).data_ptr() in blocks

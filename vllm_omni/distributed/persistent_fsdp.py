@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""FSDP2's parameter all-gather into persistent blocks, through its own extension point (``Comm.allocate``).
+
+FSDP2 gathers in place into one flat output per unit and forward, and frees it by dropping the reference (it resizes
+only the parameters it copies out to). Without explicit prefetch at most two units' outputs are alive at once: unit
+k+1 is gathered before unit k's output is released, and unit k+2 only after. So every unit of the process shares
+two blocks, taken in turn: two of the largest unit's gathers, resident, whatever the model's depth.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import fully_shard as _fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+
+from .collective_workspaces import GrowOnlyBlock, aligned
+from .persistent_collectives import platform_choice
+
+SLOTS = 2  # outputs alive at once without explicit prefetch
+
+
+class PersistentAllGather(AllGather):
+    """Outputs from ``SLOTS`` blocks in turn; one for every unit of the process, which unshards one at a time.
+
+    A block is handed out again only once FSDP2 has dropped every reference to its last output, as the caching
+    allocator would reuse that memory; with deeper prefetch than expected, an output gets memory of its own.
+    """
+
+    def __init__(self) -> None:
+        self._slots = [GrowOnlyBlock() for _ in range(SLOTS)]
+        self._outputs: list[weakref.ref | None] = [None] * SLOTS
+        self._next = 0
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        free = [i % SLOTS for i in range(self._next, self._next + SLOTS) if not _alive(self._outputs[i % SLOTS])]
+        if not free:
+            return torch.empty(size, dtype=dtype, device=device)
+        index, nbytes = free[0], torch.Size(size).numel() * dtype.itemsize
+        try:
+            self._slots[index].ensure(aligned(nbytes), device)
+        except Exception:  # no memory for a block: this unit gathers into memory of its own
+            return torch.empty(size, dtype=dtype, device=device)
+        output = self._slots[index].block[:nbytes].view(dtype).view(size)  # not a cached view: its life is FSDP2's
+        self._outputs[index], self._next = weakref.ref(output), index + 1
+        return output
+
+    def __call__(self, output_tensor, input_tensor, group: dist.ProcessGroup, async_op: bool = False) -> Any:
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _alive(output: weakref.ref | None) -> bool:
+    return output is not None and output() is not None
+
+
+_shared: PersistentAllGather | None = None
+
+
+def fully_shard(module, **kwargs: Any):
+    """``torch.distributed.fsdp.fully_shard`` whose all-gathers land in persistent blocks where staging is on."""
+    global _shared
+    sharded = _fully_shard(module, **kwargs)
+    if platform_choice().staged:  # sharded while the model loads; gathered on every request
+        _shared = _shared or PersistentAllGather()
+        for unit in [sharded] if isinstance(sharded, FSDPModule) else sharded:
+            unit.set_custom_all_gather(_shared)
+    return sharded

@@ -1,0 +1,107 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""Registered ops through which compiled code reaches the platform's collectives: Dynamo traces torch's own as
+functional collectives into fresh outputs, which no staging sees. Each op finds its group by name, as torch's
+functional collectives do, and is never dead code, since every rank must run it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .persistent_collectives import platform_collectives
+
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def _group(group_name: str):
+    return dist.distributed_c10d._resolve_process_group(group_name)
+
+
+def group_name(group) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def reduce_name(op) -> str | None:
+    """The op's name here, or None where it has none (then torch traces the call as its own)."""
+    return next((name for name, reduce in REDUCE_OPS.items() if op == reduce), None)
+
+
+@torch.library.custom_op("vllm_omni::all_reduce", mutates_args=("tensor",))
+def _all_reduce(tensor: torch.Tensor, op: str, group_name: str) -> None:
+    platform_collectives().all_reduce(tensor, _group(group_name), REDUCE_OPS[op])
+
+
+@torch.library.custom_op("vllm_omni::broadcast", mutates_args=("tensor",))
+def _broadcast(tensor: torch.Tensor, src: int, group_name: str) -> None:
+    platform_collectives().broadcast(tensor, src, _group(group_name))
+
+
+@torch.library.custom_op("vllm_omni::all_gather", mutates_args=())
+def _all_gather(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    out = tensor.new_empty((world_size * tensor.shape[0], *tensor.shape[1:]))
+    return platform_collectives().all_gather_into_tensor(out, tensor, _group(group_name))
+
+
+@torch.library.custom_op("vllm_omni::reduce_scatter", mutates_args=())
+def _reduce_scatter(tensor: torch.Tensor, op: str, world_size: int, group_name: str) -> torch.Tensor:
+    out = tensor.new_empty((tensor.shape[0] // world_size, *tensor.shape[1:]))
+    return platform_collectives().reduce_scatter_tensor(out, tensor, _group(group_name), REDUCE_OPS[op])
+
+
+@torch.library.custom_op("vllm_omni::all_to_all", mutates_args=())
+def _all_to_all(
+    tensor: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None, group_name: str
+) -> torch.Tensor:
+    out = _all_to_all_output(tensor, output_split_sizes, input_split_sizes, group_name)
+    return platform_collectives().all_to_all_single(
+        out, tensor, _group(group_name), output_split_sizes, input_split_sizes
+    )
+
+
+def _all_to_all_output(tensor, output_split_sizes, input_split_sizes, group_name):
+    rows = tensor.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+    return tensor.new_empty((rows, *tensor.shape[1:]))
+
+
+_all_reduce.register_fake(lambda tensor, op, group_name: None)
+_broadcast.register_fake(lambda tensor, src, group_name: None)
+_all_gather.register_fake(lambda t, world_size, group_name: t.new_empty((world_size * t.shape[0], *t.shape[1:])))
+_reduce_scatter.register_fake(lambda t, op, world_size, name: t.new_empty((t.shape[0] // world_size, *t.shape[1:])))
+_all_to_all.register_fake(_all_to_all_output)
+for _op in (_all_reduce, _broadcast, _all_gather, _reduce_scatter, _all_to_all):
+    torch.fx.node.has_side_effect(_op._opoverload)
+
+
+def _in_place(op, tensor: torch.Tensor, *args) -> torch.Tensor:
+    """``op`` on the tensor itself where it is contiguous, else on a row-major copy written back, as torch's traced
+    collectives treat a strided tensor."""
+    if tensor.is_contiguous():
+        op(tensor, *args)
+        return tensor
+    staged = tensor.contiguous()
+    op(staged, *args)
+    return tensor.copy_(staged)
+
+
+def all_reduce(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
+    return _in_place(torch.ops.vllm_omni.all_reduce, tensor, op, group_name(group))
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    return _in_place(torch.ops.vllm_omni.broadcast, tensor, src, group_name(group))
+
+
+def all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked along dim 0, in rank order."""
+    return torch.ops.vllm_omni.all_gather(tensor.contiguous(), dist.get_world_size(group), group_name(group))
+
+
+def reduce_scatter(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
+    return torch.ops.vllm_omni.reduce_scatter(tensor.contiguous(), op, dist.get_world_size(group), group_name(group))
+
+
+def all_to_all(tensor: torch.Tensor, output_split_sizes, input_split_sizes, group) -> torch.Tensor:
+    splits = [None if s is None else list(s) for s in (output_split_sizes, input_split_sizes)]
+    return torch.ops.vllm_omni.all_to_all(tensor.contiguous(), *splits, group_name(group))
