@@ -6,7 +6,9 @@
 collective call site: ``torch.distributed`` under any name, functional collectives, ``GroupCoordinator`` methods
 and FSDP2 wraps. A site is routed when, in a diffusion worker, it reaches ``managed_distributed``, the
 coordinator's persistent collectives or ``persistent_fsdp``, eager and traced alike: through the plugin's rule
-(``request_path``) or, in a patched tree, through its own import. ``reach_table`` gives the reviewed status of the
+(``request_path``) or, in a patched tree, through its own import. The rule rebinds a module's globals, so a call
+through a function's own ``import torch.distributed`` or through another part of ``torch.distributed``
+(``distributed_c10d``, ``nn.functional``) is never routed. ``reach_table`` gives the reviewed status of the
 rest (and of routed sites that stay plain: load-time and control calls); the command exits 1 on a request-path
 site that is not routed and on any site the table does not know, so a release or a model that adds one fails CI.
 """
@@ -64,7 +66,7 @@ class Site:
     line: int
     scope: str  # the enclosing function's qualified name, or "<module>"
     op: str
-    via: str  # "dist", "managed", "functional", "coordinator" or "fsdp"
+    via: str  # "dist", "local" (a function's own import), "managed", "functional", "other", "coordinator", "fsdp"
     asynchronous: bool = False
 
     @property
@@ -79,10 +81,24 @@ class Verdict:
     reason: str
 
 
-def _bindings(tree: ast.Module) -> dict[str, str]:
-    """Each local name the module binds to ``torch.distributed`` or one of its parts, by dotted target."""
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+
+
+def _imports(body: list[ast.stmt]) -> Iterator[ast.Import | ast.ImportFrom]:
+    """The imports a scope's own statements run, not those of the functions and classes it defines."""
+    pending = list(body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        elif not isinstance(node, _SCOPES):
+            pending.extend(ast.iter_child_nodes(node))
+
+
+def _bindings(body: list[ast.stmt]) -> dict[str, str]:
+    """Each name a scope binds by import, by dotted target."""
     names: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in _imports(body):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.asname:
@@ -95,15 +111,17 @@ def _bindings(tree: ast.Module) -> dict[str, str]:
     return names
 
 
-def _dotted(node: ast.expr, names: dict[str, str]) -> str | None:
-    """``dist.all_reduce`` as ``torch.distributed.all_reduce`` where ``dist`` is bound so; None if not a name."""
+def _dotted(node: ast.expr, scopes: list[dict[str, str]]) -> tuple[str, bool] | None:
+    """``dist.all_reduce`` as ``torch.distributed.all_reduce`` where ``dist`` is bound so, and whether a function's
+    own import binds it (``scopes``: the module's names, then each enclosing scope's); None if not a name."""
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
         node = node.value
     if not isinstance(node, ast.Name):
         return None
-    return ".".join([names.get(node.id, node.id), *reversed(parts)])
+    depth = next((i for i in range(len(scopes) - 1, -1, -1) if node.id in scopes[i]), 0)
+    return ".".join([scopes[depth].get(node.id, node.id), *reversed(parts)]), depth > 0
 
 
 def _is_async(call: ast.Call) -> bool:
@@ -114,12 +132,14 @@ def _is_async(call: ast.Call) -> bool:
 
 
 class _Scanner(ast.NodeVisitor):
-    def __init__(self, path: str, names: dict[str, str]) -> None:
-        self.path, self.names, self.scope, self.sites = path, names, [], []
+    def __init__(self, path: str, tree: ast.Module) -> None:
+        self.path, self.scopes, self.scope, self.sites = path, [_bindings(tree.body)], [], []
 
     def _visit_scope(self, node) -> None:
         self.scope.append(node.name)
+        self.scopes.append(_bindings(node.body))
         self.generic_visit(node)
+        self.scopes.pop()
         self.scope.pop()
 
     visit_FunctionDef = visit_AsyncFunctionDef = visit_ClassDef = _visit_scope
@@ -131,12 +151,12 @@ class _Scanner(ast.NodeVisitor):
             self.sites.append(site)
 
     def _site(self, call: ast.Call) -> Site | None:
-        dotted = _dotted(call.func, self.names)
+        resolved = _dotted(call.func, self.scopes)
         scope = ".".join(self.scope) or "<module>"
-        if dotted is not None:
-            module, _, op = dotted.rpartition(".")
+        if resolved is not None:
+            (module, _, op), local = resolved[0].rpartition("."), resolved[1]
             for prefix, via, ops in (
-                (TORCH_DISTRIBUTED, "dist", COLLECTIVES),
+                (TORCH_DISTRIBUTED, "local" if local else "dist", COLLECTIVES),  # the rule rebinds globals only
                 (MANAGED_MODULE, "managed", COLLECTIVES),
                 (FUNCTIONAL_MODULE, "functional", FUNCTIONAL),
             ):
@@ -146,7 +166,9 @@ class _Scanner(ast.NodeVisitor):
                 return Site(self.path, call.lineno, scope, op, "fsdp")
             if op == "fully_shard" and module == PERSISTENT_FSDP_MODULE:
                 return Site(self.path, call.lineno, scope, op, "managed")
-            if module.split(".")[0] in ("torch", "dist") or module in self.names.values():
+            if module.startswith(TORCH_DISTRIBUTED) and op in COLLECTIVES | FUNCTIONAL:
+                return Site(self.path, call.lineno, scope, op, "other")  # distributed_c10d, nn.functional, ...
+            if module.split(".")[0] in ("torch", "dist") or any(module in names.values() for names in self.scopes):
                 return None  # another function of a module, e.g. dist.get_rank
         if isinstance(call.func, ast.Attribute) and call.func.attr in COORDINATOR_METHODS and self._coordinator(call):
             return Site(self.path, call.lineno, scope, call.func.attr, "coordinator", _is_async(call))
@@ -170,7 +192,7 @@ def scan(root: Path) -> Iterator[Site]:
     for file in sorted(root.rglob("*.py")):
         path = file.relative_to(root).as_posix()
         tree = ast.parse(file.read_text(encoding="utf-8"), filename=str(file))
-        scanner = _Scanner(path, _bindings(tree))
+        scanner = _Scanner(path, tree)
         scanner.visit(tree)
         yield from scanner.sites
 

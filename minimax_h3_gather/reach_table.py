@@ -59,6 +59,10 @@ REASONS: dict[tuple[str, str, str], tuple[Status, str]] = {
         "unreachable",
         "no caller in the tree (vLLM's logits processor gathers with all_gather on every platform but TPU)",
     ),
+    ("models/wan2_2/pipeline_wan2_2_s2v.py", "Wan22S2VPipeline.forward", "broadcast"): (
+        "unreachable",
+        "only under a VAE group (self.vae._vae_pp_group) that nothing in 0.28.0 or 0.30.0 sets",
+    ),
     ("distributed/vae_patch_parallel.py", "_distributed_tiled_decode", "gather"): (
         "unreachable",
         "vae_patch_parallel is imported by nothing in 0.28.0 or 0.30.0",

@@ -85,6 +85,8 @@ def _stand_in(value, module: ModuleType):
         return _TORCH if _calls_by_full_name(module) else None
     if value is fully_shard:
         return persistent_fsdp.fully_shard
+    if value is dist.P2POp:  # torch's refuses the managed isend and irecv
+        return managed_distributed.P2POp
     name = getattr(value, "__name__", None)
     if name in managed_distributed.STAGED and getattr(dist, name, None) is value:
         return getattr(managed_distributed, name)

@@ -70,6 +70,45 @@ def eager_extras(d: Any, rank: int, world: int) -> list[torch.Tensor]:
     return [reduced, got_async, got_sync, torch.tensor([source]), x]
 
 
+def _outcome(call: Any) -> Any:
+    """What a call leaves: its returned tensor's bits, or the type of what it raised."""
+    try:
+        result = call()
+    except Exception as error:  # noqa: BLE001 - the type is the observation
+        return type(error).__name__
+    return None if result is None else bits(result)
+
+
+def edge_cases(d: Any, rank: int, world: int, pair: Any) -> dict[str, Any]:
+    """Calls staging hands to torch's own or must answer as it does: async futures, a group without this rank,
+    unlike dtypes, a compiled all-to-all with only input splits."""
+    from vllm_omni.distributed.persistent_collectives import _StagedBatch
+
+    x = data(rank, (2, 4), torch.float32, salt=9)
+    reduced = x.clone()
+    work = d.all_reduce(reduced, async_op=True)
+    work.wait()
+    outsider = torch.zeros(2)
+    found = {
+        "future": [bits(t) for t in work.get_future().value()],
+        "torchs_work": type(work) is not _StagedBatch,
+        "non_member": d.all_reduce(outsider, group=pair, async_op=True) is None if rank >= 2 else None,
+        "gather_float64": _outcome(lambda: d.all_gather_into_tensor(x.new_empty(2 * world, 4).double(), x)),
+        "scatter_float64": _outcome(lambda: d.reduce_scatter_tensor(x.double(), x.repeat(world, 1))),
+    }
+    if rank < 2:
+        d.all_reduce(outsider, group=pair, async_op=True).wait()
+
+    def one_sided(output: torch.Tensor, input: torch.Tensor) -> torch.Tensor:
+        d.all_to_all_single(output, input, None, [2] * world)
+        return output
+
+    torch._dynamo.reset()
+    compiled = torch.compile(one_sided, backend="aot_eager")
+    found["compiled_one_sided"] = _outcome(lambda: compiled(x.new_empty(2 * world, 4), x.repeat(world, 1)))
+    return found
+
+
 def checks(rank: int, world: int) -> dict[str, Any]:
     import torch._inductor.config
     from torch._dynamo.utils import counters
@@ -80,6 +119,8 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     inputs = [data(rank, (rows, 8), torch.float32, salt=rows) for rows in (2, 4)]
     report: dict[str, Any] = {}
+    pair = dist.new_group([0, 1])
+    report["edges_oracle"] = edge_cases(dist, rank, world, pair)
     module = _EveryKind(dist)
     with torch.inference_mode():
         oracle = [bits(module(x)) for x in inputs]
@@ -91,6 +132,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         with torch.inference_mode(), recorder:
             report[f"extras{switch}"] = [bits(t) for t in eager_extras(managed_distributed, rank, world)]
         report[f"extras_unmanaged{switch}"] = recorder.summary()[0]["unmanaged"]
+        report[f"edges{switch}"] = edge_cases(managed_distributed, rank, world, pair)
     for backend in ("aot_eager", "inductor"):
         torch._dynamo.reset()
         counters.clear()

@@ -51,3 +51,16 @@ def test_staged_the_backend_is_handed_only_blocks_and_plain_it_is_handed_the_cal
 
 def test_staged_async_and_point_to_point_calls_hand_the_backend_only_blocks(reports):
     assert all(report["extras_unmanaged0"] > 0 and report["extras_unmanaged1"] == 0 for report in reports)
+
+
+@pytest.mark.parametrize("switch", ["0", "1"])
+def test_what_staging_leaves_to_torch_or_must_answer_alike_gives_torchs_answers(reports, switch):
+    # Async futures, a group without this rank, unlike dtypes (refused), a compiled one-sided all-to-all.
+    fields = ("future", "non_member", "gather_float64", "scatter_float64", "compiled_one_sided")
+    for report in reports:
+        assert {k: report[f"edges{switch}"][k] for k in fields} == {k: report["edges_oracle"][k] for k in fields}
+
+
+def test_async_calls_are_torchs_own_with_staging_off_and_a_finished_work_with_it_on(reports):
+    # Off (CUDA, or the switch at 0), async_op=True keeps torch's overlap; on, the call has run when it returns.
+    assert all(r["edges0"]["torchs_work"] and not r["edges1"]["torchs_work"] for r in reports)

@@ -43,7 +43,15 @@ SPELLINGS = {
         "from vllm_omni.distributed import managed_distributed as dist\ndef f(x):\n    dist.all_to_all_single(x, x)\n",
         ("all_to_all_single", "managed"),
     ),
+    "guarded.py": (
+        "try:\n    import torch.distributed as dist\nexcept ImportError:\n    dist = None\ndef f(x):\n    dist.send(x, 1)\n",
+        ("send", "dist"),
+    ),
+    # Neither can the rule rebind: a function's own import, another module of torch.distributed.
+    "local.py": ("def f(x):\n    import torch.distributed as dist\n    dist.broadcast(x, 0)\n", ("broadcast", "local")),
+    "c10d.py": ("import torch\ndef f(x):\n    torch.distributed.distributed_c10d.all_reduce(x)\n", ("all_reduce", "other")),
 }
+NEVER_ROUTED = ("functional.py", "local.py", "c10d.py")
 
 
 @pytest.fixture
@@ -60,11 +68,12 @@ def test_every_spelling_of_a_collective_call_is_found_once_as_what_it_is(tree):
     assert found == {name: expected for name, (_, expected) in SPELLINGS.items()}
 
 
-def test_under_the_rule_torch_calls_are_routed_and_a_functional_collective_fails_the_check(tree, capsys):
+def test_under_the_rule_module_level_names_are_routed_and_what_it_cannot_rebind_fails_the_check(tree, capsys):
     assert reach.main(["--tree", str(tree)]) == 1
     verdicts = {v.site.path: v.status for v in reach.verdicts(list(reach.scan(tree)), True, True)}
-    assert verdicts == {**dict.fromkeys(SPELLINGS, "routed"), "functional.py": "unknown"}
-    assert "FAIL functional.py:3 all_reduce" in capsys.readouterr().err
+    assert verdicts == {**dict.fromkeys(SPELLINGS, "routed"), **dict.fromkeys(NEVER_ROUTED, "unknown")}
+    err = capsys.readouterr().err
+    assert all(f"FAIL {name}:3 " in err for name in NEVER_ROUTED), err
 
 
 def test_without_the_plugin_only_the_trees_own_managed_imports_are_routed(tree):

@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """``torch.distributed`` for the request path's modules. Tensor collectives go through the platform's, eager, and
-through the ops of ``traced_collectives`` when compiled; ``async_op=True`` runs them at once and returns a
-finished work (every rank calls collectives in the same order, so none waits on a later one). Point-to-point
+through the ops of ``traced_collectives`` when compiled. Staged, ``async_op=True`` runs them at once and returns
+a finished work (every rank calls collectives in the same order, so none waits on a later one); unstaged or
+compiled, it is torch's own call, overlap kept. Tensors of unlike dtypes or devices go to torch's own, which
+rejects them as the backend does. Point-to-point
 calls run as staged batches, eagerly. With persistent blocks, object collectives run on the gloo group over the
 same ranks, as the worker's own do. Any other name or call (uneven or non-contiguous list gathers, ``group_src``
 and the like) is ``torch.distributed``'s own.
@@ -14,7 +16,7 @@ import torch
 import torch.distributed as _dist
 
 from . import traced_collectives as traced
-from .persistent_collectives import cpu_twin, finished_work, platform_collectives
+from .persistent_collectives import _write, cpu_twin, finished_work, platform_collectives
 
 # What a module that names one of these reaches staged, eager and traced alike (the reach check reads it).
 STAGED = frozenset(
@@ -30,65 +32,82 @@ def __getattr__(name: str):
     return getattr(_dist, name)
 
 
-def _done(async_op: bool):
-    return finished_work() if async_op else None
+def _torchs(async_op: bool) -> bool:
+    """Whether an ``async_op`` call is torch's own: compiled (Dynamo traces it), or with nothing to stage."""
+    return async_op and (torch.compiler.is_compiling() or not platform_collectives().staged)
+
+
+def _done(async_op: bool, group, *outputs: torch.Tensor):
+    if not async_op or _dist.distributed_c10d._rank_not_in_group(group):
+        return None
+    return finished_work(list(outputs))
+
+
+def _alike(output: torch.Tensor, input: torch.Tensor) -> bool:
+    """A contiguous output of the input's dtype and device: what staging writes; torch's own accepts or refuses the
+    rest as the backend does."""
+    return output.is_contiguous() and output.dtype == input.dtype and output.device == input.device
+
+
+def _copy_out(outputs, parts) -> None:
+    write = torch.Tensor.copy_ if torch.compiler.is_compiling() else _write
+    for out, part in zip(outputs, parts, strict=True):
+        write(out, part)
 
 
 def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
+    if _torchs(async_op) or (torch.compiler.is_compiling() and traced.reduce_name(op) is None):
+        return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
-        if async_op or (name := traced.reduce_name(op)) is None:
-            return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        traced.all_reduce(tensor, name, group)
+        traced.all_reduce(tensor, traced.reduce_name(op), group)
         return None
     platform_collectives().all_reduce(tensor, group, op)
-    return _done(async_op)
+    return _done(async_op, group, tensor)
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    if src is None or group_src is not None or (async_op and torch.compiler.is_compiling()):
+    if src is None or group_src is not None or _torchs(async_op):
         return _dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
     if torch.compiler.is_compiling():
         traced.broadcast(tensor, src, group)
         return None
     platform_collectives().broadcast(tensor, src, group)
-    return _done(async_op)
+    return _done(async_op, group, tensor)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    even = all(t.shape == tensor.shape and t.dtype == tensor.dtype and t.is_contiguous() for t in tensor_list)
-    if not even or (async_op and torch.compiler.is_compiling()):
+    even = all(t.shape == tensor.shape and _alike(t, tensor) for t in tensor_list)
+    if not even or _torchs(async_op):
         return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
-        parts = traced.all_gather(tensor, group).view(len(tensor_list), *tensor.shape).unbind(0)
-        for out, part in zip(tensor_list, parts, strict=True):
-            out.copy_(part)
+        _copy_out(tensor_list, traced.all_gather(tensor, group).view(len(tensor_list), *tensor.shape).unbind(0))
         return None
     platform_collectives().all_gather_into_tensor(tensor_list, tensor, group)
-    return _done(async_op)
+    return _done(async_op, group, *tensor_list)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    if not output_tensor.is_contiguous() or (async_op and torch.compiler.is_compiling()):
+    if not _alike(output_tensor, input_tensor) or _torchs(async_op):
         return _dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         output_tensor.copy_(traced.all_gather(input_tensor, group).view(output_tensor.shape))
         return None
     platform_collectives().all_gather_into_tensor(output_tensor, input_tensor.contiguous(), group)
-    return _done(async_op)
+    return _done(async_op, group, output_tensor)
 
 
 all_gather_single = all_gather_into_tensor  # torch 2.13's name for it
 
 
 def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, async_op=False):
-    contiguous = output.is_contiguous() and input.is_contiguous()
-    if not contiguous or (torch.compiler.is_compiling() and (async_op or traced.reduce_name(op) is None)):
+    untraced = torch.compiler.is_compiling() and traced.reduce_name(op) is None
+    if not (_alike(output, input) and input.is_contiguous()) or _torchs(async_op) or untraced:
         return _dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         output.copy_(traced.reduce_scatter(input, traced.reduce_name(op), group).view(output.shape))
         return None
     platform_collectives().reduce_scatter_tensor(output, input, group, op)
-    return _done(async_op)
+    return _done(async_op, group, output)
 
 
 reduce_scatter_single = reduce_scatter_tensor
@@ -96,14 +115,15 @@ reduce_scatter_single = reduce_scatter_tensor
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     splits = (output_split_sizes, input_split_sizes)
-    contiguous = output.is_contiguous() and input.is_contiguous()
-    if not contiguous or (async_op and torch.compiler.is_compiling()):
+    one_sided = (output_split_sizes is None) != (input_split_sizes is None)  # the traced op sizes its output by both
+    staged = _alike(output, input) and input.is_contiguous() and not (one_sided and torch.compiler.is_compiling())
+    if not staged or _torchs(async_op):
         return _dist.all_to_all_single(output, input, *splits, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         output.copy_(traced.all_to_all(input, *splits, group).view(output.shape))
         return None
     platform_collectives().all_to_all_single(output, input, group, *splits)
-    return _done(async_op)
+    return _done(async_op, group, output)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
@@ -111,13 +131,12 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     first = input_tensor_list[0]
     parts = [*output_tensor_list, *input_tensor_list]
     even = all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in parts)
-    if not even or (async_op and torch.compiler.is_compiling()):
+    if not even or _torchs(async_op):
         return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
     received = first.new_empty((len(output_tensor_list), *first.shape))
-    work = all_to_all_single(received, torch.stack(input_tensor_list), group=group, async_op=async_op)
-    for out, part in zip(output_tensor_list, received.unbind(0), strict=True):
-        out.copy_(part)
-    return work
+    all_to_all_single(received, torch.stack(input_tensor_list), group=group)
+    _copy_out(output_tensor_list, received.unbind(0))
+    return _done(async_op, group, *output_tensor_list)
 
 
 @torch.compiler.disable  # Dynamo breaks the graph at point-to-point calls anyway; run eagerly, they are staged

@@ -127,9 +127,10 @@ class _StagedBatch(dist.Work):
         return landed.then(lambda _: (self._land(), [tensor for tensor, _ in self._receives])[1])
 
 
-def finished_work() -> dist.Work:
-    """The work of a collective already run, for an ``async_op=True`` caller to wait on."""
-    return _StagedBatch([], [], None)
+def finished_work(outputs: list[torch.Tensor]) -> dist.Work:
+    """The work of a collective already run, for an ``async_op=True`` caller to wait on; its future holds
+    ``outputs``, as a backend's does."""
+    return _StagedBatch([], [(output, output) for output in outputs], None)
 
 
 def _per_device(table: weakref.WeakKeyDictionary, group: Any) -> dict:
