@@ -44,12 +44,16 @@ SPELLINGS = {
         ("all_to_all_single", "managed"),
     ),
     "guarded.py": (
-        "try:\n    import torch.distributed as dist\nexcept ImportError:\n    dist = None\ndef f(x):\n    dist.send(x, 1)\n",
+        "try:\n    import torch.distributed as dist\nexcept ImportError:\n    dist = None\n"
+        "def f(x):\n    dist.send(x, 1)\n",
         ("send", "dist"),
     ),
     # Neither can the rule rebind: a function's own import, another module of torch.distributed.
     "local.py": ("def f(x):\n    import torch.distributed as dist\n    dist.broadcast(x, 0)\n", ("broadcast", "local")),
-    "c10d.py": ("import torch\ndef f(x):\n    torch.distributed.distributed_c10d.all_reduce(x)\n", ("all_reduce", "other")),
+    "c10d.py": (
+        "import torch\ndef f(x):\n    torch.distributed.distributed_c10d.all_reduce(x)\n",
+        ("all_reduce", "other"),
+    ),
 }
 NEVER_ROUTED = ("functional.py", "local.py", "c10d.py")
 

@@ -51,7 +51,8 @@ def test_the_rule_rebinds_every_global_naming_a_staged_collective_and_leaves_the
 
 
 def test_torch_is_rebound_only_where_a_collective_is_called_by_its_full_name(tmp_path, monkeypatch):
-    module = _module("rule_no_full_name", "import torch\n\ndef f(x):\n    return torch.cat([x])\n", tmp_path, monkeypatch)
+    source = "import torch\n\ndef f(x):\n    return torch.cat([x])\n"
+    module = _module("rule_no_full_name", source, tmp_path, monkeypatch)
     assert request_path.rebind_module(module) == [] and module.torch is torch
 
 
