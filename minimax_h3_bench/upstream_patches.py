@@ -77,15 +77,14 @@ CARRIED_LAST = (
     ),
 )
 CARRIED = tuple(dict.fromkeys(CARRIED_FIRST + CARRIED_LAST))
-# The patches' tests that run release modules as the patches change them: the adapter, the checkpoint's modules, the
-# coordinator, the sequence-parallel attention. The tests of the files the patches carry whole (persistent
-# collectives, managed_distributed, FSDP2's all-gather, the gather's soak) run once, on this checkout in the 0.28.0
-# pass, under the same torch: ``test_the_patch_carries_this_checkouts_file_as_it_is_now`` holds the files identical.
+# The gather's unit tests and the patches' tests that run release modules as the patches change them: the
+# coordinator, the sequence-parallel attention. The tests of the layer the patches carry whole (persistent
+# collectives, managed_distributed, FSDP2's all-gather) run once, on this checkout in the 0.28.0 pass, under the same
+# torch: ``test_the_patch_carries_this_checkouts_file_as_it_is_now`` holds the files identical.
 UPSTREAM_TESTS = (
     "tests/diffusion/models/minimax_h3",
     "tests/distributed/test_group_coordinator.py",
     "tests/distributed/test_sequence_parallel.py",
-    "--ignore=tests/diffusion/models/minimax_h3/test_vae_gather_soak.py",
 )
 # Run from this checkout against the patched tree: the serve test needs the project's synthetic pipeline.
 CHECKOUT_TESTS = ("tests/e2e/test_minimax_h3_serve_cpu.py", "tests/e2e/test_wan2_2_serve_cpu.py")
