@@ -64,3 +64,36 @@ def test_a_block_is_handed_out_again_only_once_its_last_output_is_dropped():
     assert len(blocks) == 2 and third.data_ptr() not in blocks
     del first
     assert comm.allocate((8,), dtype=torch.float32, device=cpu).data_ptr() in blocks
+
+
+def test_a_unit_with_parameter_groups_on_several_meshes_shards_as_torchs_and_gathers_with_torchs_comm(
+    tmp_path, monkeypatch
+):
+    # FSDP2 refuses a custom all-gather for several parameter groups; torch's fully_shard must still succeed.
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, ShardPlacementResult
+    from torch.distributed.tensor import Shard
+
+    from tests.distributed.collective_ranks import SWITCH_ENV
+    from vllm_omni.distributed import persistent_fsdp
+
+    monkeypatch.setenv(SWITCH_ENV, "1")
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        world = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+        other = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0]), "cpu"), shard_mesh_dim=0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        on_world = {id(p) for p in model[0].parameters()}
+
+        def placement(param):
+            return None if id(param) in on_world else ShardPlacementResult(Shard(0), other)
+
+        unit = persistent_fsdp.fully_shard(model, mesh=world, shard_placement_fn=placement)
+        groups = unit._get_fsdp_state()._fsdp_param_groups
+        assert len(groups) == 2
+        assert not any(isinstance(g._all_gather_comm, persistent_fsdp.PersistentAllGather) for g in groups)
+        assert unit(torch.ones(2, 4)).shape == (2, 4)
+    finally:
+        dist.destroy_process_group()

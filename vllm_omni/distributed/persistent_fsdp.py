@@ -19,9 +19,12 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import fully_shard as _fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
+from vllm.logger import init_logger
 
 from .collective_workspaces import GrowOnlyBlock, aligned
 from .persistent_collectives import platform_choice
+
+logger = init_logger(__name__)
 
 SLOTS = 2  # outputs alive at once without explicit prefetch
 
@@ -69,5 +72,12 @@ def fully_shard(module, **kwargs: Any):
     if platform_choice().staged:  # sharded while the model loads; gathered on every request
         _shared = _shared or PersistentAllGather()
         for unit in [sharded] if isinstance(sharded, FSDPModule) else sharded:
-            unit.set_custom_all_gather(_shared)
+            try:
+                unit.set_custom_all_gather(_shared)
+            except ValueError:  # parameter groups on several meshes (shard_placement_fn): FSDP2 takes no custom comm
+                logger.warning_once(
+                    "[PERSISTENT_COLLECTIVES] %s has FSDP2 parameter groups on several meshes; its all-gathers are "
+                    "torch's own",
+                    type(unit).__name__,
+                )
     return sharded
