@@ -152,6 +152,11 @@ def by_component(request: dict[str, Any]) -> dict[str, dict[str, int]]:
     return totals
 
 
+def requests_of(summary: dict[str, Any], fix: str) -> list[tuple[int, int, dict[str, Any]]]:
+    """``(rank, request index, request)`` for every rank's requests in the run ``fix`` of a ``census.json``."""
+    return [(r["rank"], i, q) for r in summary["runs"][fix]["ranks"] for i, q in enumerate(r["requests"])]
+
+
 def projection(run: dict[str, Any], whole: dict[str, Any] | None) -> dict[str, Any]:
     """Bytes per request at the seed's geometry, rescaled from the synthetic run's (a projection, not a measurement).
 

@@ -88,7 +88,7 @@ def census(tmp_path_factory):
 
 
 def _requests(census, fix):
-    return [(r["rank"], i, q) for r in census[2]["runs"][fix]["ranks"] for i, q in enumerate(r["requests"])]
+    return census_bench.requests_of(census[2], fix)
 
 
 def test_exits_zero_with_media_identical_across_the_three_runs_and_writes_json_and_plot(census):

@@ -14,6 +14,7 @@ import json
 import pytest
 
 from benchmarks import minimax_h3_pipeline_census as census_bench
+from benchmarks.minimax_h3_pipeline_census import requests_of
 from minimax_h3_gather.census import COMPONENTS
 
 pytestmark = [
@@ -50,10 +51,6 @@ def census(request, tmp_path_factory):
     return request.param, code, json.loads((out / "census.json").read_text())
 
 
-def _requests(summary, fix):
-    return [(r["rank"], i, q) for r in summary["runs"][fix]["ranks"] for i, q in enumerate(r["requests"])]
-
-
 def test_exits_zero_with_media_byte_identical_with_the_fix_off_and_on(census):
     (pipeline, _), code, summary = census
     assert code == 0 and summary["media_identical"] and summary["config"]["pipeline"] == pipeline
@@ -62,7 +59,7 @@ def test_exits_zero_with_media_byte_identical_with_the_fix_off_and_on(census):
 
 def test_with_the_fix_no_rank_or_component_hands_the_backend_a_fresh_buffer_after_request_1(census):
     _, _, summary = census
-    for rank, index, request in _requests(summary, "whole"):
+    for rank, index, request in requests_of(summary, "whole"):
         assert set(request["books"]) <= set(COMPONENTS) and request["bookkeeping_errors"] == 0
         if index > 0:
             for component, totals in census_bench.by_component(request).items():
@@ -72,7 +69,7 @@ def test_with_the_fix_no_rank_or_component_hands_the_backend_a_fresh_buffer_afte
 def test_the_paths_own_collective_runs_and_with_the_fix_no_site_is_unmanaged(census):
     path, _, summary = census
     assert summary["unmanaged_sites"]["whole"] == {}
-    off = [site for _, _, request in _requests(summary, "off") for book in request["books"].values() for site in book]
+    off = [site for _, _, request in requests_of(summary, "off") for book in request["books"].values() for site in book]
     assert any(PATHS[path] in site for site in off), sorted(set(off))
     assert summary["unmanaged_sites"]["off"] != {}  # what the fix removes
 

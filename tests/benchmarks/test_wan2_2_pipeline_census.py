@@ -15,6 +15,7 @@ import json
 import pytest
 
 from benchmarks import minimax_h3_pipeline_census as census_bench
+from benchmarks.minimax_h3_pipeline_census import requests_of
 from minimax_h3_bench import serve_cpu
 from minimax_h3_gather.census import COMPONENTS
 
@@ -53,10 +54,6 @@ def census(request, tmp_path_factory):
     return request.param, code, json.loads((out / "census.json").read_text()), out
 
 
-def _requests(summary, fix):
-    return [(r["rank"], i, q) for r in summary["runs"][fix]["ranks"] for i, q in enumerate(r["requests"])]
-
-
 def test_exits_zero_with_media_identical_with_the_fix_off_and_on(census):
     _, code, summary, _ = census
     assert code == 0 and summary["media_identical"] and list(summary["runs"]) == ["off", "whole"]
@@ -66,11 +63,11 @@ def test_exits_zero_with_media_identical_with_the_fix_off_and_on(census):
 
 def test_with_the_fix_no_component_hands_the_backend_a_fresh_buffer_after_request_1(census):
     _, _, summary, _ = census
-    for rank, index, request in _requests(summary, "whole"):
+    for rank, index, request in requests_of(summary, "whole"):
         for component, totals in census_bench.by_component(request).items():
             if index > 0:
                 assert totals["fresh_buffers"] == 0 and totals["fresh_bytes"] == 0, (rank, index, component)
-    for rank, _, request in _requests(summary, "off"):  # without it, the DiT and the VAE do on every request
+    for rank, _, request in requests_of(summary, "off"):  # without it, the DiT and the VAE do on every request
         totals = census_bench.by_component(request)
         assert totals["dit"]["fresh_buffers"] > 0 and totals["video_vae"]["fresh_buffers"] > 0, rank
 
@@ -86,7 +83,7 @@ def test_with_the_fix_no_request_has_an_unmanaged_site_and_without_it_the_dit_an
 def test_the_layouts_collectives_are_the_dits_and_the_vae_tiles_are_gathered_on_every_rank(census):
     layout, _, summary, _ = census
     for fix in ("off", "whole"):
-        for rank, index, request in _requests(summary, fix):
+        for rank, index, request in requests_of(summary, fix):
             sites = list(request["books"]["dit"])
             assert any(LAYOUTS[layout] in site for site in sites), (fix, rank, index, sites)
             assert census_bench.by_component(request)["video_vae"]["calls"] > 0
@@ -96,7 +93,7 @@ def test_the_layouts_collectives_are_the_dits_and_the_vae_tiles_are_gathered_on_
 def test_both_experts_run_every_request_with_the_offloads_release_between_them(census):
     _, _, summary, _ = census
     for fix in ("off", "whole"):
-        for _, index, request in _requests(summary, fix):
+        for _, index, request in requests_of(summary, fix):
             if index == 0:  # request 1 also holds the engine's warm-up
                 continue
             steps = [step for step in request["timeline"] if step != "other"]
