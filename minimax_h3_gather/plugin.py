@@ -96,32 +96,22 @@ def hook_worker(module: ModuleType) -> bool:
     if getattr(original, _WORKER_MARK, False):
         return True
 
-    from vllm_omni.distributed import persistent_collectives
+    from vllm_omni.distributed.persistent_collectives import unstaged
+
+    # Start-up and model load run plain collectives: what they set up keeps no block of its own.
+    plain_init = unstaged()(original)
 
     @functools.wraps(original)
     def init_device(self, *args, **kwargs):
         hook_request_path()  # before the process groups exist, so that every coordinator is registered
-        with persistent_collectives.unstaged():
-            return original(self, *args, **kwargs)
+        return plain_init(self, *args, **kwargs)
 
     setattr(init_device, _WORKER_MARK, True)
     worker.init_device = init_device
     load_model = getattr(worker, "load_model", None)
     if callable(load_model):
-        worker.load_model = _unstaged(load_model)
+        worker.load_model = unstaged()(load_model)
     return True
-
-
-def _unstaged(method):
-    """``method`` with plain collectives: what loads a model keeps no block of its own."""
-    from vllm_omni.distributed import persistent_collectives
-
-    @functools.wraps(method)
-    def wrapped(*args, **kwargs):
-        with persistent_collectives.unstaged():
-            return method(*args, **kwargs)
-
-    return wrapped
 
 
 def hook_request_path() -> None:
