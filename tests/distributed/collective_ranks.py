@@ -295,25 +295,3 @@ def busy_block(rank: int, world: int) -> dict[str, Any]:
         "block_kept": torch.equal(before, block.block),
         "fallbacks": staged.fallbacks,
     }
-
-
-def abandoned_batch(rank: int, world: int) -> dict[str, Any]:
-    """A point-to-point batch nobody waits (its caller raised between commit and wait): the next batch finishes it
-    (every peer posted its match) and reuses its block, instead of running on fresh tensors from then on."""
-    from vllm_omni.distributed import persistent_collectives as pc
-
-    staged = pc.Collectives(persistent=True)
-    ring = kinds(rank, world, torch.float32, 3)["ring_batch"]
-    send, recv = data(rank, (4, 3), torch.float32), torch.zeros(4, 3)
-    staged.batch_isend_irecv(
-        [
-            dist.P2POp(dist.isend, send, (rank + 1) % world),
-            dist.P2POp(dist.irecv, recv, (rank - 1) % world),
-        ]
-    )  # dropped
-    got = ring(staged)
-    return {
-        "equal": [bits(t) for t in got] == [bits(t) for t in ring(pc.Collectives(persistent=False))],
-        "fallbacks": staged.fallbacks,
-        "dropped_batch_landed": bits(recv) == bits(data((rank - 1) % world, (4, 3), torch.float32)),
-    }

@@ -5,8 +5,11 @@ depart (batches in flight, a group this rank is not in, the batch's work), cappe
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -53,25 +56,216 @@ def batches_in_flight(rank: int, world: int) -> dict[str, Any]:
 
 
 def abandoned_batches(rank: int, world: int) -> dict[str, Any]:
-    """Batches nobody waits (their caller raised between post and wait) keep their blocks; once the group's pool is
-    full, the next batch waits for the oldest (its peers posted its match long ago) and takes its block."""
+    """Batches nobody waits for yet keep their blocks and the pool grows past them: later batches never wait on one
+    (its match may come only after them). Waited at last, each lands the plain bits; later batches reuse the pool."""
     from vllm_omni.distributed import persistent_collectives as pc
 
     staged = pc.Collectives(persistent=True)
-    dropped = [(data(rank, (4, 3), torch.float32, salt), torch.zeros(4, 3)) for salt in range(pc.MAX_BATCHES)]
-    for send, recv in dropped:
-        staged.batch_isend_irecv(_ring_ops(rank, world, send, recv))
-    full = len(staged.blocks())
-    results = []
+    dropped = [(data(rank, (4, 3), torch.float32, salt), torch.zeros(4, 3)) for salt in range(9)]
+    works = [staged.batch_isend_irecv(_ring_ops(rank, world, send, recv)) for send, recv in dropped]
+    posted = len(staged.blocks())
+    waited = []
     for salt in (100, 101):
         mine, theirs = data(rank, (4, 3), torch.float32, salt), torch.zeros(4, 3)
         for work in staged.batch_isend_irecv(_ring_ops(rank, world, mine, theirs)):
             work.wait()
-        results.append(bits(theirs) == bits(data((rank - 1) % world, (4, 3), torch.float32, salt)))
+        waited.append(bits(theirs) == bits(data((rank - 1) % world, (4, 3), torch.float32, salt)))
+    before_wait = [bits(recv) == bits(data((rank - 1) % world, (4, 3), torch.float32, salt)) for salt, (_, recv) in
+                   enumerate(dropped)]  # fmt: skip
+    for work in (work for batch in works for work in batch):
+        work.wait()
     landed = [bits(recv) == bits(data((rank - 1) % world, (4, 3), torch.float32, salt)) for salt, (_, recv) in
               enumerate(dropped)]  # fmt: skip
-    blocks = (full, len(staged.blocks()))
-    return {"equal": all(results), "fallbacks": staged.fallbacks, "landed": landed, "blocks": blocks}
+    allocations = staged.stats()["block_allocations"]
+    for send, recv in dropped:  # a second "request" as deep as the first: the pool holds it
+        for work in staged.batch_isend_irecv(_ring_ops(rank, world, send, recv)):
+            work.wait()
+    return {
+        "waited_equal": all(waited),
+        "fallbacks": staged.fallbacks,
+        "blocks": (posted, len(staged.blocks())),
+        "landed_before_wait": before_wait,
+        "landed": landed,
+        "new_allocations_in_request_2": staged.stats()["block_allocations"] - allocations,
+    }
+
+
+def deep_ring(rank: int, world: int) -> dict[str, Any]:
+    """Twelve ring batches posted, then waited in order, as torch allows: every rank's receives equal plain gloo's
+    at once. Finishing an older batch before posting a newer one would stall until the group timeout."""
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    def run(batch_isend_irecv) -> tuple[list[bytes], float]:
+        sends = [data(rank, (3, 2), torch.float32, salt) for salt in range(12)]
+        receives = [torch.zeros(3, 2) for _ in sends]
+        start = time.monotonic()
+        works = [batch_isend_irecv(_ring_ops(rank, world, s, r)) for s, r in zip(sends, receives, strict=True)]
+        for work in (work for batch in works for work in batch):
+            work.wait()
+        return [bits(t) for t in receives + sends], time.monotonic() - start
+
+    staged = pc.Collectives(persistent=True)
+    plain, _ = run(dist.batch_isend_irecv)
+    got = [run(staged.batch_isend_irecv) for _ in range(2)]
+    return {
+        "equal": all(result == plain for result, _ in got),
+        "slowest_s": max(seconds for _, seconds in got),
+        "fallbacks": staged.fallbacks,
+        "blocks": len(staged.blocks()),
+        "allocations": staged.stats()["block_allocations"],
+    }
+
+
+_GLOO_STAMP = re.compile(r"\[F[0-9]{4} [0-9:.]+ ")  # gloo's check failures carry a timestamp
+
+
+def _outcome(call: Callable, *args: Any) -> str:
+    """``ok``, or the error's type and message."""
+    try:
+        call(*args)
+    except Exception as error:  # noqa: BLE001 - compared: the staged call must raise what the plain one raises
+        return f"{type(error).__name__}: {_GLOO_STAMP.sub('[F ', str(error))}"
+    return "ok"
+
+
+def _bits_list(result: torch.Tensor | list[torch.Tensor]) -> list[bytes]:
+    return [bits(t) for t in (result if isinstance(result, list) else [result])]
+
+
+def error_paths(rank: int, world: int) -> dict[str, Any]:
+    """Calls plain gloo refuses, staged beside it: the same error on every rank, and then the call of that kind
+    still lands in the block the one before the error used: no fallback, no new allocation, the plain bits."""
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    group, small, chunked = dist.group.WORLD, 5, MIB // 8 + 3  # float32 per rank: above a 1 MiB cap once gathered
+
+    def gather(numel: int, out_numel: int) -> Callable:
+        return lambda c: c.all_gather_into_tensor(torch.empty(out_numel), data(rank, (numel,), torch.float32), group)
+
+    def listed(sizes: list[int]) -> Callable:
+        return lambda c: c.all_gather_into_tensor(
+            [torch.empty(n) for n in sizes], data(rank, (small,), torch.float32), group
+        )
+
+    def to_all(per_peer: int, out_numel: int) -> Callable:
+        return lambda c: c.all_to_all_single(
+            torch.empty(out_numel), data(rank, (world * per_peer,), torch.float32), group
+        )
+
+    def scatter(out_numel: int) -> Callable:
+        return lambda c: c.reduce_scatter_tensor(
+            torch.empty(out_numel), data(rank, (world * small,), torch.float32), group
+        )
+
+    def broadcast(src: int) -> Callable:
+        return lambda c: c.broadcast(data(rank, (small,), torch.float32), src, group)
+
+    cases = {  # name: (a call the kind accepts, a call plain gloo refuses)
+        "gather_short": (gather(small, world * small), gather(small, world * small - 1)),
+        "gather_long": (gather(small, world * small), gather(small, world * small + 1)),
+        "gather_chunked_short": (gather(chunked, world * chunked), gather(chunked, world * chunked - 1)),
+        "list_too_short": (listed([small] * world), listed([small] * (world - 1))),
+        "list_too_long": (listed([small] * world), listed([small] * (world + 1))),
+        "list_entry_short": (listed([small] * world), listed([small] * (world - 1) + [small - 1])),
+        "all_to_all_long": (to_all(2 * small, world * 2 * small), to_all(small, world * small + world)),
+        "all_to_all_chunked_short": (to_all(chunked, world * chunked), to_all(chunked, world * (chunked - 1))),
+        "reduce_scatter_short": (scatter(small), scatter(small - 1)),
+        "broadcast_bad_src": (broadcast(0), broadcast(world)),
+    }
+    plain, report = pc.Collectives(persistent=False), {}
+    for name, (good, bad) in cases.items():
+        staged = pc.Collectives(persistent=True)
+        good(staged)
+        before = ([b.data_ptr for b in staged.blocks()], staged.stats()["block_allocations"])
+        outcomes = (_outcome(bad, plain), _outcome(bad, staged))
+        busy = [b.busy for b in staged.blocks()]
+        equal = _bits_list(good(staged)) == _bits_list(good(plain))
+        after = ([b.data_ptr for b in staged.blocks()], staged.stats()["block_allocations"])
+        report[name] = {"plain": outcomes[0], "staged": outcomes[1], "busy_after_error": busy, "equal": equal,
+                        "same_block": before == after, "fallbacks": staged.fallbacks}  # fmt: skip
+    return report
+
+
+def _every_kind(rank: int, world: int, dtype: torch.dtype, salt: int, group: Any = None) -> dict[str, Callable]:
+    """``run(collectives, out) -> outputs`` for each kind on ``group``, whose outputs are ``out(shape)``."""
+
+    def inputs(shape: tuple[int, ...]) -> torch.Tensor:
+        return data(rank, shape, dtype, salt)
+
+    def batch(c, out):
+        recv = out((3, 2))
+        for work in c.batch_isend_irecv(_ring_ops(rank, world, inputs((3, 2)), recv, group)):
+            work.wait()
+        return [recv]
+
+    return {
+        "all_reduce": lambda c, out: [c.all_reduce(_filled(out((4, 2)), inputs((4, 2))), group)],
+        "broadcast": lambda c, out: [c.broadcast(_filled(out((4, 2)), inputs((4, 2))), 0, group)],
+        "all_gather_into_tensor": lambda c, out: [c.all_gather_into_tensor(out((world * 2, 3)), inputs((2, 3)), group)],
+        "list_gather": lambda c, out: c.all_gather_into_tensor(
+            [out((2, 3)) for _ in range(world)], inputs((2, 3)), group
+        ),
+        "all_to_all_single": lambda c, out: [c.all_to_all_single(out((world * 2,)), inputs((world * 2,)), group)],
+        "reduce_scatter_tensor": lambda c, out: [c.reduce_scatter_tensor(out((2,)), inputs((world * 2,)), group)],
+        "batch_isend_irecv": batch,
+    }
+
+
+def _filled(output: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``output`` holding ``values``, written outside autograd: an in-place collective's input is its output."""
+    with torch.no_grad():
+        return output.copy_(values)
+
+
+def _bits_of(run: Callable, collectives: Any, out: Callable, inference: bool) -> list[bytes]:
+    with torch.inference_mode(inference):
+        return [bits(t.detach()) for t in run(collectives, out)]
+
+
+def inference_mode_blocks(rank: int, world: int) -> dict[str, Any]:
+    """Each kind staged inside ``torch.inference_mode()``, then outside it, then inside again, beside plain: blocks
+    first used in one mode are written in the other. Two dtypes, as a list gather of float16 failed alike."""
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    plain, staged, report = pc.Collectives(persistent=False), pc.Collectives(persistent=True), {}
+    for dtype in (torch.float32, torch.float16):
+        out = functools.partial(torch.zeros, dtype=dtype)
+        for salt, inference in enumerate((True, False, True)):
+            for name, run in _every_kind(rank, world, dtype, salt).items():
+                results = []
+                for collectives in (plain, staged):
+                    try:
+                        results.append(_bits_of(run, collectives, out, inference))
+                    except Exception as error:  # noqa: BLE001 - reported: plain returns, so must the staged call
+                        results.append(f"{type(error).__name__}: {error}")
+                report.setdefault(f"{name}/{dtype}", []).append({"inference": inference, "results": results})
+    equal = {key: all(r["results"][0] == r["results"][1] for r in rows) for key, rows in report.items()}
+    failed = {key: [r["results"] for r in rows if isinstance(r["results"][1], str)] for key, rows in report.items()}
+    return {"equal": equal, "failed": {k: v for k, v in failed.items() if v}, "fallbacks": staged.fallbacks}
+
+
+def grad_outputs(rank: int, world: int) -> dict[str, Any]:
+    """Outputs autograd guards (a leaf that requires grad, a view of one), staged beside plain: each kind accepts
+    or refuses them as plain gloo does, with its bits where it accepts. Each call gets a group of its own: gloo
+    raises some refusals again at the group's next call, and a group that refused once is never used again."""
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    def view_of_leaf(shape):
+        return torch.zeros((2, *shape), requires_grad=True)[0]
+
+    report = {}
+    for how, out in (("leaf", functools.partial(torch.zeros, requires_grad=True)), ("view_of_leaf", view_of_leaf)):
+        for name in _every_kind(rank, world, torch.float32, 0):
+            results = []
+            for collectives in (pc.Collectives(persistent=False), pc.Collectives(persistent=True)):
+                run = _every_kind(rank, world, torch.float32, 0, dist.new_group(list(range(world))))[name]
+                try:
+                    results.append(_bits_of(run, collectives, out, False))
+                except Exception as error:  # noqa: BLE001 - compared with plain's
+                    results.append(f"{type(error).__name__}: {error}")
+                dist.barrier()  # on the default group, which saw no refusal: every rank done before the next call
+            report[f"{name}/{how}"] = {"plain": results[0], "staged": results[1]}
+    return report
 
 
 def batch_work(rank: int, world: int) -> dict[str, Any]:
@@ -265,9 +459,14 @@ def four_rank_checks(rank: int, world: int) -> dict[str, Any]:
     """The four-rank checks in one start of the ranks (each start costs seconds of imports), the cap set first: it
     is read once per process. Batches left in flight come last."""
     os.environ[CAP_ENV] = "1"
-    checks = (non_member, capped_blocks, capped_fallback, abandoned_batches)
+    checks = (non_member, capped_blocks, capped_fallback, *DEFECTS, abandoned_batches)
     return {check.__name__: check(rank, world) for check in checks}
 
 
 def three_rank_checks(rank: int, world: int) -> dict[str, Any]:
-    return {check.__name__: check(rank, world) for check in (batches_in_flight, batch_work)}
+    os.environ[CAP_ENV] = "1"
+    checks = (batches_in_flight, batch_work, *DEFECTS)
+    return {check.__name__: check(rank, world) for check in checks}
+
+
+DEFECTS = (error_paths, deep_ring, inference_mode_blocks, grad_outputs)  # on three ranks and on four

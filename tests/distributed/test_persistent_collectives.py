@@ -8,6 +8,8 @@ The ranks start once per module and run every check (``collective_ranks.checks``
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from tests.distributed import collective_ranks, contract_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks
@@ -89,11 +91,61 @@ def three():
     return results_or_raise(run_ranks(contract_ranks.three_rank_checks, 3, timeout_s=300, pg_timeout_s=30), 3)
 
 
-def test_batches_nobody_waited_keep_their_blocks_until_the_pool_is_full_then_the_oldest_is_finished_and_reused(four):
+def test_batches_nobody_waited_for_yet_keep_their_blocks_the_pool_grows_past_them_and_they_land_when_waited(four):
     for report in (checks["abandoned_batches"] for checks in four):
+        assert report["waited_equal"] and report["fallbacks"] == 0
+        assert report["blocks"] == (9, 10)  # one per batch in flight; the two waited ones shared the tenth
+        assert report["landed_before_wait"] == [False] * 9  # a receive lands when its batch is waited, not before
+        assert report["landed"] == [True] * 9
+        assert report["new_allocations_in_request_2"] == 0
+
+
+@pytest.fixture(params=[3, 4], ids=lambda world: f"{world}_ranks")
+def defects(request):
+    """The defect checks' reports on every rank, from the start of three ranks and the start of four."""
+    return [checks for checks in request.getfixturevalue("three" if request.param == 3 else "four")]
+
+
+def test_a_refused_call_raises_plains_error_and_the_next_call_lands_in_the_same_block(defects):
+    for rank, report in enumerate(checks["error_paths"] for checks in defects):
+        for case, outcome in report.items():
+            assert outcome["plain"].startswith(("RuntimeError", "ValueError")), (rank, case, outcome)
+            assert outcome["staged"] == outcome["plain"], (rank, case)
+            assert outcome["busy_after_error"] == [False] * len(outcome["busy_after_error"]), (rank, case)
+            assert outcome["equal"] and outcome["same_block"] and outcome["fallbacks"] == 0, (rank, case, outcome)
+
+
+def test_a_list_gather_given_a_list_of_the_wrong_length_raises_gloos_error_naming_the_list(defects):
+    for report in (checks["error_paths"] for checks in defects):
+        world = len(defects)
+        for case, length in (("list_too_short", world - 1), ("list_too_long", world + 1)):
+            assert (
+                f"invalid output tensor list at index 0 (expected length {world}, got {length})"
+                in (report[case]["staged"])
+            )
+
+
+def test_more_batches_in_flight_than_ever_before_complete_at_once_with_plain_bits(defects):
+    for report in (checks["deep_ring"] for checks in defects):
         assert report["equal"] and report["fallbacks"] == 0
-        assert report["blocks"] == (8, 8)  # MAX_BATCHES: the pool never grows past it
-        assert report["landed"] == [True] + [False] * 7  # the oldest was finished to make room, once
+        assert report["slowest_s"] < 10, report["slowest_s"]  # a stall lasts the 30 s group timeout
+        assert report["blocks"] == report["allocations"] == 12  # one per batch in flight, reused by request 2
+
+
+def test_blocks_first_used_in_inference_mode_are_written_outside_it_and_back_with_plain_bits(defects):
+    for report in (checks["inference_mode_blocks"] for checks in defects):
+        assert report["failed"] == {}
+        assert report["equal"] == dict.fromkeys(report["equal"], True) and len(report["equal"]) == 14
+        assert report["fallbacks"] == 0
+
+
+def test_an_output_autograd_guards_is_accepted_or_refused_as_plain_gloo_does(defects):
+    for report in (checks["grad_outputs"] for checks in defects):
+        assert {case: outcome["staged"] for case, outcome in report.items()} == {
+            case: outcome["plain"] for case, outcome in report.items()
+        }
+    refused = sorted(case for case, outcome in report.items() if isinstance(outcome["plain"], str))
+    assert refused  # gloo refuses some of them: the check compares refusals, not only bits
 
 
 def test_batches_in_flight_are_posted_at_once_as_torch_posts_them_and_each_finished_by_its_own_wait(three):
@@ -177,6 +229,27 @@ def test_a_block_used_on_another_stream_is_ordered_after_its_last_use_before_it_
         *copies,
     ]
     assert report["blocks"] == 1
+
+
+class _FailingWork(dist.Work):
+    """Test-only: a backend's work whose wait raises, as a timed-out receive's does (a real one closes gloo's pair)."""
+
+    def wait(self, timeout=None):
+        raise RuntimeError("injected: the peer never posted its send")
+
+
+def test_a_staged_batch_whose_wait_raises_frees_its_block_and_writes_nothing_to_the_callers_tensor():
+    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.collective_workspaces import GrowOnlyBlock
+
+    block = GrowOnlyBlock()
+    block.ensure(512, "cpu")
+    block.busy = True
+    staged, received = block.view((4,), torch.float32).fill_(1.0), torch.full((4,), 7.0)
+    batch = pc._StagedBatch([_FailingWork()], [(received, staged)], block)
+    with pytest.raises(RuntimeError, match="injected"):
+        batch.wait()
+    assert not block.busy and torch.equal(received, torch.full((4,), 7.0))
 
 
 @pytest.mark.parametrize("raw", ["0", "-1", "1.5", "64MiB", "", " ", "\u0663"])

@@ -104,8 +104,9 @@ class GrowOnlyBlock:
         view = self._views.get(key)
         if view is None:
             numel = torch.Size(shape).numel()
-            flat = self.block[offset : offset + numel * dtype.itemsize].view(dtype)
-            view = flat.view(shape) if strides is None else flat.as_strided(shape, strides)
+            with torch.inference_mode(False):  # kept: written later in and out of inference mode alike
+                flat = self.block[offset : offset + numel * dtype.itemsize].view(dtype)
+                view = flat.view(shape) if strides is None else flat.as_strided(shape, strides)
             if len(self._views) >= self._MAX_VIEWS:
                 self._views.clear()
             self._views[key] = view

@@ -3,9 +3,9 @@
 """``torch.distributed`` for the request path's modules. Tensor collectives go through the platform's, eager, and
 through the ops of ``traced_collectives`` when compiled. Staged, ``async_op=True`` runs them at once and returns
 a finished work (every rank calls collectives in the same order, so none waits on a later one); unstaged or
-compiled, it is torch's own call, overlap kept. Tensors of unlike dtypes or devices go to torch's own, which
-rejects them as the backend does. Point-to-point
-calls run as staged batches, eagerly. With persistent blocks, object collectives run on the gloo group over the
+compiled, it is torch's own call, overlap kept. Tensors staging would not write as the backend does (unlike dtypes
+or devices, outputs of the wrong shape or count, outputs that require grad) go to torch's own, which accepts or
+rejects them as the backend does. Point-to-point calls run as staged batches, eagerly. With persistent blocks, object collectives run on the gloo group over the
 same ranks, as the worker's own do. Any other name or call (uneven or non-contiguous list gathers, ``group_src``
 and the like) is ``torch.distributed``'s own.
 """
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as _dist
 
 from . import traced_collectives as traced
-from .persistent_collectives import _write, cpu_twin, finished_work, platform_collectives
+from .persistent_collectives import _gathers_into, _writable, _write, cpu_twin, finished_work, platform_collectives
 
 # What a module that names one of these reaches staged, eager and traced alike (the reach check reads it).
 STAGED = frozenset(
@@ -41,12 +41,6 @@ def _done(async_op: bool, group, *outputs: torch.Tensor):
     if not async_op or _dist.distributed_c10d._rank_not_in_group(group):
         return None
     return finished_work(list(outputs))
-
-
-def _alike(output: torch.Tensor, input: torch.Tensor) -> bool:
-    """A contiguous output of the input's dtype and device: what staging writes; torch's own accepts or refuses the
-    rest as the backend does."""
-    return output.is_contiguous() and output.dtype == input.dtype and output.device == input.device
 
 
 def _copy_out(outputs, parts) -> None:
@@ -75,9 +69,13 @@ def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     return _done(async_op, group, tensor)
 
 
+def _one_per_rank(tensors: list, group) -> bool:
+    return len(tensors) == _dist.get_world_size(group)
+
+
 def all_gather(tensor_list, tensor, group=None, async_op=False):
-    even = all(t.shape == tensor.shape and _alike(t, tensor) for t in tensor_list)
-    if not even or _torchs(async_op):
+    tensor = tensor.contiguous()
+    if not _gathers_into(tensor_list, tensor, _dist.get_world_size(group)) or _torchs(async_op):
         return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         _copy_out(tensor_list, traced.all_gather(tensor, group).view(len(tensor_list), *tensor.shape).unbind(0))
@@ -87,12 +85,13 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
-    if not _alike(output_tensor, input_tensor) or _torchs(async_op):
+    input_tensor = input_tensor.contiguous()
+    if not _gathers_into(output_tensor, input_tensor, _dist.get_world_size(group)) or _torchs(async_op):
         return _dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         output_tensor.copy_(traced.all_gather(input_tensor, group).view(output_tensor.shape))
         return None
-    platform_collectives().all_gather_into_tensor(output_tensor, input_tensor.contiguous(), group)
+    platform_collectives().all_gather_into_tensor(output_tensor, input_tensor, group)
     return _done(async_op, group, output_tensor)
 
 
@@ -101,7 +100,7 @@ all_gather_single = all_gather_into_tensor  # torch 2.13's name for it
 
 def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, async_op=False):
     untraced = torch.compiler.is_compiling() and traced.reduce_name(op) is None
-    if not (_alike(output, input) and input.is_contiguous()) or _torchs(async_op) or untraced:
+    if not _writable(output, input) or _torchs(async_op) or untraced:
         return _dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         output.copy_(traced.reduce_scatter(input, traced.reduce_name(op), group).view(output.shape))
@@ -116,7 +115,7 @@ reduce_scatter_single = reduce_scatter_tensor
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
     splits = (output_split_sizes, input_split_sizes)
     one_sided = (output_split_sizes is None) != (input_split_sizes is None)  # the traced op sizes its output by both
-    staged = _alike(output, input) and input.is_contiguous() and not (one_sided and torch.compiler.is_compiling())
+    staged = _writable(output, input) and not (one_sided and torch.compiler.is_compiling())
     if not staged or _torchs(async_op):
         return _dist.all_to_all_single(output, input, *splits, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
@@ -131,7 +130,9 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     first = input_tensor_list[0]
     parts = [*output_tensor_list, *input_tensor_list]
     even = all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in parts)
-    if not even or _torchs(async_op):
+    if not (even and _one_per_rank(output_tensor_list, group) and _one_per_rank(input_tensor_list, group)):
+        return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+    if _torchs(async_op):
         return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
     received = first.new_empty((len(output_tensor_list), *first.shape))
     all_to_all_single(received, torch.stack(input_tensor_list), group=group)

@@ -27,7 +27,6 @@ logger = init_logger(__name__)
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 CAP_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB"
 DEFAULT_CAP_MIB = 64  # vLLM's symmetric-memory all-reduce stages up to 32-64 MiB
-MAX_BATCHES = 8  # point-to-point batches in flight per group; a further one first finishes the oldest
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 
 
@@ -69,6 +68,43 @@ def _write(destination: torch.Tensor, source: torch.Tensor) -> None:
         destination.copy_(source)
 
 
+def _writable(output: torch.Tensor, input: torch.Tensor) -> bool:
+    """Whether staging writes ``output`` as the backend would: contiguous tensors alike, and no tensor autograd
+    guards (backends refuse or accept those as they do). Anything else is torch's own call."""
+    return (
+        output.is_contiguous()
+        and input.is_contiguous()
+        and output.dtype == input.dtype
+        and output.device == input.device
+        and not output.requires_grad
+    )
+
+
+def _gathers_into(output: Any, input: torch.Tensor, world: int) -> bool:
+    """A list of ``world`` tensors of the input's shape, or their concatenation along dim 0: what every backend
+    gathers into (gloo refuses even a stack or a flat tensor of the same size)."""
+    if isinstance(output, list):
+        return len(output) == world and all(t.shape == input.shape and _writable(t, input) for t in output)
+    whole = (world * input.shape[0], *input.shape[1:]) if input.dim() else (world,)
+    return output.shape == whole and _writable(output, input)
+
+
+def _splits_fit(output: torch.Tensor, input: torch.Tensor, output_splits: Any, input_splits: Any, world: int) -> bool:
+    """Whether an all-to-all's tensors are split as every backend requires: each split list one size per rank
+    summing to its tensor's dim 0, or none and a dim 0 that ranks share evenly, of equal sizes where neither has a
+    list. The rest is torch's own, which refuses it as the backend does."""
+
+    def fits(tensor: torch.Tensor, splits: Any) -> bool:
+        if not tensor.dim():
+            return False
+        if splits is None:
+            return tensor.shape[0] % world == 0
+        return len(splits) == world and sum(splits) == tensor.shape[0]
+
+    even = output_splits is not None or input_splits is not None or output.numel() == input.numel()
+    return even and fits(output, output_splits) and fits(input, input_splits)
+
+
 def _layout(tensor: torch.Tensor) -> tuple[int, ...] | None:
     """The caller's strides where its elements are dense (a backend reduces them in memory order), else None."""
     if tensor.is_contiguous():
@@ -97,17 +133,23 @@ class _StagedBatch(dist.Work):
         super().__init__()
         self._works, self._receives, self._block = works, receives, block
 
-    def _land(self) -> None:
+    def _land(self, received: bool = True) -> None:
         if self._block is not None:
             block, self._block = self._block, None
-            for tensor, view in self._receives:
-                _write(tensor, view)
-            block.busy = False
+            try:
+                for tensor, view in self._receives if received else ():
+                    _write(tensor, view)
+            finally:
+                block.busy = False
 
     @torch.compiler.disable  # eager, as the works it waits for
     def wait(self, timeout: Any = None) -> bool:
-        for work in self._works:
-            work.wait() if timeout is None else work.wait(timeout)
+        try:
+            for work in self._works:
+                work.wait() if timeout is None else work.wait(timeout)
+        except BaseException:
+            self._land(received=False)  # the block is free again; what it held never reaches the caller
+            raise
         self._land()
         return True
 
@@ -154,7 +196,6 @@ class Collectives:
         self._blocks: weakref.WeakKeyDictionary[Any, dict[torch.device, GrowOnlyBlock]] = weakref.WeakKeyDictionary()
         self._batches: weakref.WeakKeyDictionary[Any, dict[torch.device, list]] = weakref.WeakKeyDictionary()
         self.staged_calls = self.chunked_calls = self.fallbacks = self.payload_bytes = self.staged_bytes = 0
-        self._posted = 0
         self._last: tuple[Any, torch.device, GrowOnlyBlock] | None = None  # the last lookup, most calls' next
         self._logged: set[str] = set()
 
@@ -238,7 +279,7 @@ class Collectives:
 
     def all_reduce(self, tensor: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """In place, in the tensor's own memory order, as the backend reduces it."""
-        if not self.staged or group is _NON_MEMBER or (strides := _layout(tensor)) is None:
+        if not self.staged or group is _NON_MEMBER or tensor.requires_grad or (strides := _layout(tensor)) is None:
             dist.all_reduce(tensor, op=op, group=group)  # a gapped tensor fails or passes exactly as it would
             return tensor
         self.payload_bytes += tensor.nbytes
@@ -264,7 +305,8 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> torch.Tensor:
         """From global rank ``src``, in place."""
-        if not self.staged or group is _NON_MEMBER or not tensor.numel() or _layout(tensor) is None:
+        plain = not self.staged or group is _NON_MEMBER or not tensor.numel() or tensor.requires_grad
+        if plain or _layout(tensor) is None:
             dist.broadcast(tensor, src=src, group=group)
             return tensor
         self.payload_bytes += tensor.nbytes
@@ -277,7 +319,8 @@ class Collectives:
         """Every rank's ``input`` in rank order into ``output``: one contiguous tensor, or a list of contiguous
         tensors, one per rank, each copied straight out of the block."""
         listed = isinstance(output, list)
-        if not self.staged or group is _NON_MEMBER or not input.numel():
+        plain = not self.staged or group is _NON_MEMBER or not input.numel()
+        if plain or not _gathers_into(output, input, dist.get_world_size(group)):
             dist.all_gather(output, input, group=group) if listed else dist.all_gather_single(
                 output, input, group=group
             )
@@ -285,11 +328,11 @@ class Collectives:
         world, rank, numel, size = dist.get_world_size(group), dist.get_rank(group), input.numel(), input.element_size()
         self.payload_bytes += world * input.nbytes
         step = max(1, min(numel, block_cap() // (world * size)))  # elements per rank and chunk
+        flat, rows = input.view(-1), [t.view(-1) for t in output] if listed else output.view(world, numel)
         block = self._acquire("all_gather_into_tensor", group, input.device, world * step * size)
         if block is None and step == numel and not listed:
             dist.all_gather_single(output, input, group=group)
             return output
-        flat, rows = input.reshape(-1), [t.view(-1) for t in output] if listed else output.view(world, numel)
         try:
             for start in range(0, numel, step):
                 width = min(step, numel - start)
@@ -310,17 +353,18 @@ class Collectives:
         return output
 
     def all_to_all_single(self, output, input, group, output_split_sizes=None, input_split_sizes=None):
-        """``input`` and ``output`` contiguous, split along dim 0; an even one goes in chunks above the cap."""
+        """Split along dim 0 as the splits say, or evenly; an even one of one shape goes in chunks above the cap."""
         splits = (output_split_sizes, input_split_sizes)
-        if not self.staged or group is _NON_MEMBER:
+        plain = not self.staged or group is _NON_MEMBER or not _writable(output, input)
+        if plain or not _splits_fit(output, input, *splits, dist.get_world_size(group)):
             dist.all_to_all_single(output, input, *splits, group=group)
             return output
         self.payload_bytes += input.nbytes + output.nbytes
         world, size = dist.get_world_size(group), input.element_size()
         width = input.numel() // world  # elements per peer, where the splits are even
         step = min(width, block_cap() // (2 * world * size))
-        if output_split_sizes is not None or input_split_sizes is not None or width * world != input.numel():
-            step = width  # staged whole
+        if output_split_sizes is not None or input_split_sizes is not None or output.shape != input.shape:
+            step = width  # staged whole, in the caller's shapes
         if step == width:
             return self._whole(
                 "all_to_all_single",
@@ -329,8 +373,8 @@ class Collectives:
                 group,
                 lambda o, i: dist.all_to_all_single(o, i, *splits, group=group),
             )
-        block = self._acquire("all_to_all_single", group, input.device, 2 * aligned(world * step * size))
         rows_in, rows_out = input.view(world, width), output.view(world, width)
+        block = self._acquire("all_to_all_single", group, input.device, 2 * aligned(world * step * size))
         try:
             for start in range(0, width, step):
                 part = min(step, width - start)
@@ -366,7 +410,7 @@ class Collectives:
 
     def reduce_scatter_tensor(self, output, input, group, op=dist.ReduceOp.SUM):
         """Contiguous tensors; staged whole, as chunks would change a floating-point sum's bits."""
-        if not self.staged or group is _NON_MEMBER:
+        if not self.staged or group is _NON_MEMBER or not _writable(output, input):
             dist.reduce_scatter_tensor(output, input, op=op, group=group)
             return output
         self.payload_bytes += input.nbytes
@@ -392,7 +436,8 @@ class Collectives:
         """Staged, sends are copied in now and receives out when the batch lands; batches in flight each hold a
         block of their group's pool until then, and are posted at once, as torch posts them."""
         group, device = ops[0].group, ops[0].tensor.device
-        if not self.staged or group is _NON_MEMBER or group in _control_groups:
+        guarded = any(op.tensor.requires_grad for op in ops if op.op not in (dist.isend, dist.send))
+        if not self.staged or group is _NON_MEMBER or group in _control_groups or guarded:
             return dist.batch_isend_irecv(ops)
         sizes = [aligned(op.tensor.nbytes) for op in ops]
         block = self._batch_block(group, device, sum(sizes))
@@ -418,18 +463,13 @@ class Collectives:
         return [block.batch]
 
     def _batch_block(self, group: Any, device: torch.device, nbytes: int) -> GrowOnlyBlock | None:
-        """The first free block of the group's pool; a batch complete but never waited lands first."""
+        """The first free block of the group's pool, which grows by one where none is: waiting for a batch here
+        could wait for one its peers post only after this one. A batch complete but never waited lands first."""
         pool = _per_device(self._batches, group).setdefault(device, [])
         free = next((b for b in pool if not b.busy or b.batch.is_completed()), None)
-        if free is None and len(pool) < MAX_BATCHES:
+        if free is None:
             free = GrowOnlyBlock()
             pool.append(free)
-        elif free is None:  # the oldest was posted MAX_BATCHES batches ago: every peer has posted its match
-            free = min(pool, key=lambda b: b.posted)
-            with contextlib.suppress(Exception):  # its own error is its caller's, long gone
-                free.batch.wait()
-        self._posted += 1
-        free.posted = self._posted
         return self._lease("batch_isend_irecv", free, group, device, nbytes)
 
 
