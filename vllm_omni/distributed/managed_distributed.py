@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """``torch.distributed`` for the request path's modules. Tensor collectives go through the platform's, eager, and
-through the ops of ``traced_collectives`` when compiled. Staged, ``async_op=True`` runs them at once and returns
-a finished work (every rank calls collectives in the same order, so none waits on a later one); unstaged or
-compiled, it is torch's own call, overlap kept. Tensors staging would not write as the backend does (unlike dtypes
-or devices, outputs of the wrong shape or count, outputs that require grad) go to torch's own, which accepts or
-rejects them as the backend does. Point-to-point calls run as staged batches, eagerly. With persistent blocks, object collectives run on the gloo group over the
-same ranks, as the worker's own do. Any other name or call (uneven or non-contiguous list gathers, ``group_src``
-and the like) is ``torch.distributed``'s own.
+through the ops of ``traced_collectives`` when compiled. Staged, ``async_op=True`` runs them at once and returns a
+finished work (every rank calls collectives in the same order, so none waits on a later one); unstaged or compiled,
+it is torch's own call, overlap kept. Tensors staging would not write as the backend does (unlike dtypes or devices,
+outputs of the wrong shape or count, outputs that require grad) go to torch's own, which accepts or rejects them as
+the backend does. Point-to-point calls run as staged batches, eagerly. With persistent blocks, object collectives
+run on the gloo group over the same ranks, as the worker's own do. Any other name or call (uneven or non-contiguous
+list gathers, ``group_src`` and the like) is ``torch.distributed``'s own.
 """
 
 from __future__ import annotations
