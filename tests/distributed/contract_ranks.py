@@ -29,10 +29,25 @@ def _ring_ops(rank: int, world: int, send: torch.Tensor, recv: torch.Tensor, gro
     ]
 
 
+def _batches_beside_plain(run, requests: int) -> dict[str, Any]:
+    """``run`` with torch's batches, then ``requests`` times staged: whether each equals plain, and the pool's cost."""
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    staged = pc.Collectives(persistent=True)
+    plain, _ = run(dist.batch_isend_irecv)
+    got = [run(staged.batch_isend_irecv) for _ in range(requests)]
+    return {
+        "equal": all(result == plain for result, _ in got),
+        "slowest_s": max(seconds for _, seconds in got),
+        "fallbacks": staged.fallbacks,
+        "blocks": len(staged.blocks()),
+        "allocations": staged.stats()["block_allocations"],
+    }
+
+
 def batches_in_flight(rank: int, world: int) -> dict[str, Any]:
     """Each rank posts its send and its receive as two batches before waiting either: the receive that matches a
     peer's first batch is in this rank's second. Torch posts both at once; so must the staged batch."""
-    from vllm_omni.distributed import persistent_collectives as pc
 
     def run(batch_isend_irecv) -> tuple[list[bytes], float]:
         send, recv = data(rank, (64, 3), torch.float32), torch.zeros(64, 3)
@@ -43,16 +58,7 @@ def batches_in_flight(rank: int, world: int) -> dict[str, Any]:
             work.wait()
         return [bits(recv), bits(send)], time.monotonic() - start
 
-    staged = pc.Collectives(persistent=True)
-    plain, _ = run(dist.batch_isend_irecv)
-    got = [run(staged.batch_isend_irecv) for _ in range(3)]  # three "requests": the pool's blocks are reused
-    return {
-        "equal": all(result == plain for result, _ in got),
-        "slowest_s": max(seconds for _, seconds in got),
-        "fallbacks": staged.fallbacks,
-        "blocks": len(staged.blocks()),
-        "allocations": staged.stats()["block_allocations"],
-    }
+    return _batches_beside_plain(run, requests=3)  # three "requests": the pool's blocks are reused
 
 
 def abandoned_batches(rank: int, world: int) -> dict[str, Any]:
@@ -93,7 +99,6 @@ def abandoned_batches(rank: int, world: int) -> dict[str, Any]:
 def deep_ring(rank: int, world: int) -> dict[str, Any]:
     """Twelve ring batches posted, then waited in order, as torch allows: every rank's receives equal plain gloo's
     at once. Finishing an older batch before posting a newer one would stall until the group timeout."""
-    from vllm_omni.distributed import persistent_collectives as pc
 
     def run(batch_isend_irecv) -> tuple[list[bytes], float]:
         sends = [data(rank, (3, 2), torch.float32, salt) for salt in range(12)]
@@ -104,16 +109,7 @@ def deep_ring(rank: int, world: int) -> dict[str, Any]:
             work.wait()
         return [bits(t) for t in receives + sends], time.monotonic() - start
 
-    staged = pc.Collectives(persistent=True)
-    plain, _ = run(dist.batch_isend_irecv)
-    got = [run(staged.batch_isend_irecv) for _ in range(2)]
-    return {
-        "equal": all(result == plain for result, _ in got),
-        "slowest_s": max(seconds for _, seconds in got),
-        "fallbacks": staged.fallbacks,
-        "blocks": len(staged.blocks()),
-        "allocations": staged.stats()["block_allocations"],
-    }
+    return _batches_beside_plain(run, requests=2)
 
 
 _GLOO_STAMP = re.compile(r"\[F[0-9]{4} [0-9:.]+ ")  # gloo's check failures carry a timestamp
