@@ -130,9 +130,8 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     first = input_tensor_list[0]
     parts = [*output_tensor_list, *input_tensor_list]
     even = all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in parts)
-    if not (even and _one_per_rank(output_tensor_list, group) and _one_per_rank(input_tensor_list, group)):
-        return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
-    if _torchs(async_op):
+    fits = even and _one_per_rank(output_tensor_list, group) and _one_per_rank(input_tensor_list, group)
+    if not fits or _torchs(async_op):
         return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
     received = first.new_empty((len(output_tensor_list), *first.shape))
     all_to_all_single(received, torch.stack(input_tensor_list), group=group)
