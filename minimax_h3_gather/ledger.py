@@ -42,7 +42,13 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import managed_distributed, persistent_collectives, persistent_fsdp, traced_collectives
+from vllm_omni.distributed import (
+    managed_distributed,
+    persistent_collectives,
+    persistent_fsdp,
+    request_pool,
+    traced_collectives,
+)
 from vllm_omni.distributed.collective_workspaces import is_persistent
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
@@ -147,6 +153,8 @@ class RequestReport:
     bookkeeping_errors: int = 0  # calls the ledger could not book, since it started
     unmanaged_sites: dict[str, int] = field(default_factory=dict)  # site -> calls on a device group, no blocks
     staged_bytes: dict[str, int] = field(default_factory=dict)  # component -> bytes copied into and out of blocks
+    # Pool mode: component -> device-group calls made while no request ran in the worker's pool
+    outside_pool_context: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -213,7 +221,11 @@ def _group(name: str, args: tuple, kwargs: dict) -> Any:
 
 
 def _managed(name: str, tensors: list[torch.Tensor]) -> bool:
-    """Whether a call on a device group hands the backend only persistent blocks and no temp of its own."""
+    """Whether a call on a device group hands the backend only persistent blocks and no temp of its own, or, in a
+    request running in the worker's pool, only the pool's memory and blocks (the backend's temps are the pool's)."""
+    pool = request_pool.worker_pool()
+    if pool is not None and pool.active:
+        return all(is_persistent(t) or pool.holds(t) for t in tensors)
     hidden_temp = name in ("barrier", "all_gather")  # XCCL's barrier and list gather make tensors of their own
     return not hidden_temp and bool(tensors) and all(is_persistent(t) for t in tensors)
 
@@ -254,6 +266,7 @@ class CollectiveLedger:
         self._books: dict[str, dict[str, SiteBooks]] = defaultdict(lambda: defaultdict(SiteBooks))
         self._unmanaged: Counter[str] = Counter()
         self._staged: Counter[str] = Counter()
+        self._outside_pool_context: Counter[str] = Counter()
 
     @property
     def active(self) -> bool:
@@ -321,6 +334,8 @@ class CollectiveLedger:
             return  # the control plane's gloo group: no device backend, nothing it could register
         if not _managed(name, sends + recvs):
             self._unmanaged[site] += 1
+        if (pool := request_pool.worker_pool()) is not None and not pool.active:
+            self._outside_pool_context[component] += 1
         if name == "barrier":
             self._barriers += 1
             return
@@ -387,6 +402,7 @@ class CollectiveLedger:
             bookkeeping_errors=self.bookkeeping_errors,
             unmanaged_sites=dict(self._unmanaged),
             staged_bytes=dict(self._staged),
+            outside_pool_context=dict(self._outside_pool_context),
         )
         self.requests.append(report)
         self._reset_request()

@@ -32,6 +32,8 @@ _WORKER_MARK = "_persistent_collectives_hook"
 # What the hook relies on: the adapter's setup takes the component path, and the adapter reads the
 # checkpoint's parallel state the way install_tile_gather_reuse expects.
 _EXPECTED_METHODS = ("set_parallel_size", "_native_parallel_state", "offload_to_cpu")
+# The worker's entry points of a request: in pool mode each runs inside the worker's private pool.
+REQUEST_ENTRY_POINTS = ("execute_model", "execute_model_batch", "execute_stepwise")
 _warned = False
 
 
@@ -87,7 +89,8 @@ def hook_adapter(module: ModuleType) -> bool:
 
 
 def hook_worker(module: ModuleType) -> bool:
-    """Make ``DiffusionWorker.init_device`` first hook the request path, once; returns whether it is hooked."""
+    """Make ``DiffusionWorker.init_device`` first hook the request path and end by opening the pool of pool mode,
+    and run each request entry point in it, once; returns whether it is hooked."""
     worker = getattr(module, "DiffusionWorker", None)
     original = getattr(worker, "init_device", None) if isinstance(worker, type) else None
     if not callable(original):
@@ -96,7 +99,8 @@ def hook_worker(module: ModuleType) -> bool:
     if getattr(original, _WORKER_MARK, False):
         return True
 
-    from vllm_omni.distributed.persistent_collectives import unstaged
+    from vllm_omni.distributed import request_pool
+    from vllm_omni.distributed.persistent_collectives import switch_mode, unstaged
 
     # Start-up and model load run plain collectives: what they set up keeps no block of its own.
     plain_init = unstaged()(original)
@@ -104,14 +108,33 @@ def hook_worker(module: ModuleType) -> bool:
     @functools.wraps(original)
     def init_device(self, *args, **kwargs):
         hook_request_path()  # before the process groups exist, so that every coordinator is registered
-        return plain_init(self, *args, **kwargs)
+        result = plain_init(self, *args, **kwargs)
+        if switch_mode() == request_pool.POOL_MODE:  # after the device is set, before anything loads
+            from vllm_omni.platforms import current_omni_platform
+
+            request_pool.open_worker_pool(current_omni_platform)
+        return result
 
     setattr(init_device, _WORKER_MARK, True)
     worker.init_device = init_device
     load_model = getattr(worker, "load_model", None)
     if callable(load_model):
         worker.load_model = unstaged()(load_model)
+    for name in REQUEST_ENTRY_POINTS:
+        if callable(entry := getattr(worker, name, None)):
+            setattr(worker, name, _in_request_memory(entry))
     return True
+
+
+def _in_request_memory(entry):
+    from vllm_omni.distributed.request_pool import request_memory
+
+    @functools.wraps(entry)
+    def run_in_request_memory(self, *args, **kwargs):
+        with request_memory():
+            return entry(self, *args, **kwargs)
+
+    return run_in_request_memory
 
 
 def hook_request_path() -> None:

@@ -42,6 +42,13 @@ class CpuTestOmniPlatform(OmniPlatform, CpuPlatform):
         return "vllm_omni_cpu_test_platform.attention.CpuSDPABackend"
 
     @classmethod
+    def mem_pool_api(cls):
+        """``MemPool`` and ``use_mem_pool`` for pool mode: a stand-in, as CPU has no caching allocator."""
+        from . import mem_pool
+
+        return mem_pool
+
+    @classmethod
     def get_device_count(cls) -> int:
         return device_count()
 
