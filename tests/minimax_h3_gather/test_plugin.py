@@ -190,6 +190,85 @@ def test_a_bad_block_cap_fails_the_plugin_load_naming_the_value(worker_stack):
     assert "VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB='64MiB' is not valid" in report["error"]
 
 
+def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool) -> dict:
+    """A diffusion worker in pool mode, its start-up, load and request entry points stood in for; records whether
+    the worker's pool was in use in each."""
+    from vllm_omni_cpu_test_platform.mem_pool import MemPool
+
+    from vllm_omni.diffusion.worker import diffusion_worker
+    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed import request_pool
+    from vllm_omni.platforms import current_omni_platform
+    from vllm_omni.plugins import load_omni_general_plugins
+
+    seen: list[tuple[str, bool]] = []
+
+    def record(name: str) -> None:
+        pool = request_pool.worker_pool()
+        seen.append((name, pool is not None and pool.active))
+
+    worker = diffusion_worker.DiffusionWorker
+
+    def execute_model(self, req, fail=False):
+        record("execute_model")
+        if fail:
+            raise RuntimeError("the forward failed")
+        worker.execute_stepwise(self, None)  # one entry point calling another
+
+    worker.init_device = lambda self: seen.append(("init_device", request_pool.worker_pool() is not None))
+    worker.load_model = lambda self, **kwargs: record("load_model")
+    worker.execute_model = execute_model
+    worker.execute_model_batch = lambda self, *args: record("execute_model_batch")
+    worker.execute_stepwise = lambda self, *args: record("execute_stepwise")
+    if not platform_has_pool:
+        type(current_omni_platform).mem_pool_api = None
+    os.environ.pop("VLLM_PLUGINS", None)
+    os.environ[pc.SWITCH_ENV] = "pool"
+    load_omni_general_plugins()
+    this = object()
+    try:
+        worker.init_device(this)
+    except RuntimeError as error:
+        return {"error": str(error)}
+    worker.load_model(this)
+    worker.execute_model(this, None)
+    try:
+        worker.execute_model(this, None, fail=True)
+    except RuntimeError:
+        pass
+    worker.execute_model_batch(this, None, None)
+    pool = request_pool.worker_pool()
+    return {"seen": seen, "entries": pool._pool.entries, "pools_made": MemPool.made, "active_after": pool.active}
+
+
+def test_pool_mode_opens_one_pool_after_start_up_and_runs_every_request_entry_point_in_it_but_not_the_load(
+    worker_stack,
+):
+    (report,) = results_or_raise(run_ranks(_pool_mode_in_a_worker, 1, True), 1)
+    assert report == {
+        "seen": [
+            ("init_device", False),  # the pool is opened once the device is set
+            ("load_model", False),
+            ("execute_model", True),
+            ("execute_stepwise", True),
+            ("execute_model", True),  # the one that raises: the pool is closed behind it
+            ("execute_model_batch", True),
+        ],
+        "entries": 3,  # the nested entry point does not enter again
+        "pools_made": 1,
+        "active_after": False,
+    }
+
+
+def test_pool_mode_on_a_platform_whose_torch_has_no_mem_pool_fails_the_workers_start_up_naming_the_version(
+    worker_stack,
+):
+    import torch
+
+    (report,) = results_or_raise(run_ranks(_pool_mode_in_a_worker, 1, False), 1)
+    assert f"torch.cpu.MemPool and use_mem_pool, which torch {torch.__version__} does not have" in report["error"]
+
+
 _NOT_A_WORKER_PROCESS = """
 import json, sys
 from tests.minimax_h3_gather.test_plugin import _torch_distributed_names
