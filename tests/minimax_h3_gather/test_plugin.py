@@ -8,6 +8,7 @@ Loading plugins patches a class for the rest of the process, so each scenario ru
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -232,10 +233,8 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool) -> di
         return {"error": str(error)}
     worker.load_model(this)
     worker.execute_model(this, None)
-    try:
+    with contextlib.suppress(RuntimeError):
         worker.execute_model(this, None, fail=True)
-    except RuntimeError:
-        pass
     worker.execute_model_batch(this, None, None)
     pool = request_pool.worker_pool()
     return {"seen": seen, "entries": pool._pool.entries, "pools_made": MemPool.made, "active_after": pool.active}
