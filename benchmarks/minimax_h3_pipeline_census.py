@@ -57,14 +57,21 @@ LAYOUTS = {
 CLASS_NAMES = {"MiniMaxH3Pipeline": "minimax_h3", "WanPipeline": "wan2_2", "QwenImagePipeline": "qwen_image"}
 COMMON_FLAGS = tuple(f for f in serve_cpu.SERVE_FLAGS if not f.startswith("--tensor-parallel-size"))
 PROMPT = "a red fox running through fresh snow"
-# Each run's switches: both fixes off, MiniMax-H3's VAE tile gather only, and the whole request.
+# Each run's switches: both fixes off, MiniMax-H3's VAE tile gather only, the whole request staged, and the whole
+# request in the worker's private memory pool (on CPU ranks, the test platform's stand-in for the pool API).
 RUNS = {
     "off": {REUSE_ENV: "0", SWITCH_ENV: "0"},
     "vae": {REUSE_ENV: "1", SWITCH_ENV: "0"},
     "whole": {REUSE_ENV: "1", SWITCH_ENV: "1"},
+    "pool": {REUSE_ENV: "1", SWITCH_ENV: "pool"},
 }
-# Per pipeline, its runs; the first two are served side by side, requests interleaved: the layer on / off, paired.
-PIPELINE_RUNS = {"minimax_h3": ("whole", "vae", "off"), "wan2_2": ("whole", "off"), "qwen_image": ("whole", "off")}
+# Per pipeline, its runs, served two at a time side by side with requests interleaved: the first two pair up, the
+# staged layer on / off.
+PIPELINE_RUNS = {
+    "minimax_h3": ("whole", "vae", "pool", "off"),
+    "wan2_2": ("whole", "off"),
+    "qwen_image": ("whole", "off"),
+}
 # Effective device copy bandwidth for the layer's copy cost at the seed's geometry (an assumption, not measured).
 COPY_GBS = 500.0
 TOTALS = ("calls", "bytes_sent", "bytes_received", "fresh_buffers", "fresh_bytes", "persistent_buffers")
@@ -256,7 +263,7 @@ def layer_per_request(rank: dict[str, Any]) -> list[dict[str, int]]:
         if snapshot is None:
             return []
         row = dict(snapshot)
-        for key in ("staged_calls", "fallbacks", "block_allocations", "payload_bytes", "staged_bytes"):
+        for key in ("staged_calls", "pooled_calls", "fallbacks", "block_allocations", "payload_bytes", "staged_bytes"):
             row[key] = snapshot.get(key, 0) - (previous.get(key, 0) if previous else 0)
         rows.append(row)
         previous = snapshot
@@ -359,7 +366,8 @@ def format_table(summary: dict[str, Any]) -> str:
 def format_layer(summary: dict[str, Any]) -> list[str]:
     """The layer's own figures per rank and request, for the runs that have it."""
     lines = [
-        ["run", "req", "rank", "resident MiB", "blocks", "allocs", "staged", "fallbacks", "payload MiB", "copied MiB"]
+        ["run", "req", "rank", "resident MiB", "blocks", "allocs", "staged", "pooled", "fallbacks", "payload MiB"]
+        + ["copied MiB"]
     ]
     for fix, run in summary["runs"].items():
         for rank in run["ranks"]:
@@ -373,6 +381,7 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
                         str(row["blocks"]),
                         str(row["block_allocations"]),
                         str(row["staged_calls"]),
+                        str(row.get("pooled_calls", 0)),
                         str(row["fallbacks"]),
                         f"{row['payload_bytes'] / MIB:.2f}",
                         f"{row['staged_bytes'] / MIB:.2f}",
@@ -380,14 +389,16 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
                 )
     if len(lines) == 1:
         return []
-    title = "persistent collectives, per rank and request (resident: as it stands after the request; payload: the"
-    title += " callers' tensors staged; copied: into and out of blocks)"
+    title = "persistent collectives, per rank and request (resident: as it stands after the request; staged: calls on"
+    title += " memory outside the pool in pool mode; pooled: calls run as torch's own on the request pool's memory;"
+    title += " payload: the callers' tensors staged; copied: into and out of blocks)"
     return [title] + (report.align(lines))
 
 
 def paired_runs(runs: dict[str, Any]) -> tuple[str, str] | None:
-    """The two runs served side by side: the whole fix, and the one run beside it (the VAE's only, else off)."""
-    beside = next((name for name in ("vae", "off") if name in runs), None)
+    """The two runs served side by side: the whole fix staged, and the one run beside it (the VAE's only, else pool
+    mode, else off), as ``PIPELINE_RUNS`` orders them."""
+    beside = next((name for name in ("vae", "pool", "off") if name in runs), None)
     return ("whole", beside) if "whole" in runs and beside is not None else None
 
 
@@ -496,7 +507,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--without-vae-run",
         action="store_true",
-        help="MiniMax-H3: serve only the runs with both fixes off and on (the VAE-only run isolates the tile gather)",
+        help="MiniMax-H3: serve no VAE-only run (it isolates the tile gather)",
+    )
+    parser.add_argument(
+        "--without-pool-run",
+        action="store_true",
+        help="MiniMax-H3: serve no pool-mode run (VLLM_OMNI_PERSISTENT_COLLECTIVES=pool)",
     )
     parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")
@@ -612,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
         from minimax_h3_bench.synthetic.wan2_2 import REQUEST as request
     if args.model is None and args.pipeline == "qwen_image":
         from minimax_h3_bench.synthetic.qwen_image import REQUEST as request
-    names = tuple(run for run in PIPELINE_RUNS[args.pipeline] if not (args.without_vae_run and run == "vae"))
+    skipped = {run for run, skip in (("vae", args.without_vae_run), ("pool", args.without_pool_run)) if skip}
+    names = tuple(run for run in PIPELINE_RUNS[args.pipeline] if run not in skipped)
     # CPU ranks can share the machine; a server on cards holds them, so the servers then run in turn.
     side_by_side = args.device == "cpu"
     groups = [names[:2], names[2:]] if side_by_side else [(run,) for run in names]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import persistent_collectives
+from vllm_omni.distributed import persistent_collectives, request_pool
 from vllm_omni.distributed.collective_workspaces import resolve_device
 
 from .ledger import CollectiveLedger
@@ -182,7 +182,7 @@ def register() -> None:
         platform.empty_cache = classmethod(lambda cls: platform_empty_cache())
     torch.accelerator.empty_cache = mark(torch.accelerator.empty_cache)
     persistent_collectives._write = _booking_copies(persistent_collectives._write, ledger)
-    books: dict[str, list] = {"timing": [], "persistent_collectives": [], "memory": [], "compile": []}
+    books: dict[str, list] = {"timing": [], "persistent_collectives": [], "memory": [], "compile": [], "pool": []}
     load_model = DiffusionModelRunner.load_model
 
     @functools.wraps(load_model)
@@ -209,6 +209,8 @@ def _counting(forward: Callable, ledger: CollectiveLedger, device, directory: Pa
         if set(getattr(batch, "request_ids", ())) == {DUMMY_DIFFUSION_REQUEST_ID}:  # the warm-up: not a request
             return forward(self, batch, *args, **kwargs)
         wall, cpu = time.perf_counter(), time.process_time()
+        pool = request_pool.worker_pool()  # pool mode: the whole forward, every component, runs in it
+        books["pool"].append(None if pool is None else {"in_pool": pool.active, "requests_entered": pool.requests})
         try:
             return forward(self, batch, *args, **kwargs)
         finally:
