@@ -284,7 +284,10 @@ def memory_growth(runs: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
             metric = "rss_bytes" if samples[0]["device"] == "cpu" else "non_pytorch_bytes"
             values = [sample[metric] / MIB for sample in samples]
             growth = [after - before for before, after in zip(values, values[1:], strict=False)]
-            rows.append({"rank": rank["rank"], "metric": metric, "after_request_MiB": values, "growth_MiB": growth})
+            row = {"rank": rank["rank"], "metric": metric, "after_request_MiB": values, "growth_MiB": growth}
+            if metric == "non_pytorch_bytes":  # the pool arm's cost: what the caching allocator keeps
+                row["reserved_after_request_MiB"] = [sample["reserved_bytes"] / MIB for sample in samples]
+            rows.append(row)
         table[name] = rows
     return table
 
@@ -293,11 +296,13 @@ def format_memory(summary: dict[str, Any]) -> list[str]:
     table = summary["memory_growth"]
     first = next(iter(table.values()))[0]
     steps = [f"growth {i}->{i + 1} MiB" for i in range(1, len(first["after_request_MiB"]))]
-    lines = [["run", "rank", "after request 1 MiB", *steps]]
+    reserved = "reserved_after_request_MiB" in first
+    lines = [["run", "rank", "after request 1 MiB", *steps, *(["reserved MiB after each"] if reserved else [])]]
     for name, rows in table.items():
         for row in rows:
             growth = [f"{g:+.1f}" for g in row["growth_MiB"]]
-            lines.append([name, str(row["rank"]), f"{row['after_request_MiB'][0]:.1f}", *growth])
+            kept = [" / ".join(f"{r:.0f}" for r in row["reserved_after_request_MiB"])] if reserved else []
+            lines.append([name, str(row["rank"]), f"{row['after_request_MiB'][0]:.1f}", *growth, *kept])
     if first["metric"] == "rss_bytes":
         title = f"memory per rank ({memory_label(summary)}):"
     else:
@@ -336,8 +341,16 @@ def format_table(summary: dict[str, Any]) -> str:
     text.append("unmanaged sites (a device group's backend handed anything but persistent blocks), every rank:")
     for run, sites in summary["unmanaged_sites"].items():
         text.append(f"{run:>7}: {sum(sites.values())} call(s) at {len(sites)} site(s)")
-        text += [f"         {calls:5d} x {site}" for site, calls in sites.items()] if run == "whole" else []
-    text += ["", *format_layer(summary), "", *format_memory(summary), "", *format_timing(summary)]
+        text += [f"         {calls:5d} x {site}" for site, calls in sites.items()] if run in ("whole", "pool") else []
+    text += [
+        "",
+        *format_layer(summary),
+        *format_pool(summary),
+        "",
+        *format_memory(summary),
+        "",
+        *format_timing(summary),
+    ]
     proj = summary["projection"]
     if proj is not None:
         text.append("")
@@ -361,6 +374,25 @@ def format_table(summary: dict[str, Any]) -> str:
             )
     text.append(f"media identical across the runs ({', '.join(summary['runs'])}): {summary['media_identical']}")
     return "\n".join(text)
+
+
+def format_pool(summary: dict[str, Any]) -> list[str]:
+    """Pool mode, per rank: whether each request's forward ran in the worker's pool, and device-group calls made
+    while no request ran in it (by component)."""
+    run = summary["runs"].get("pool")
+    if run is None:
+        return []
+    text = ["", "pool mode, per rank: request forwards run in the pool; device-group calls made outside it"]
+    for rank in run["ranks"]:
+        inside = [bool(p and p["in_pool"]) for p in rank["pool"]]
+        outside = [sum(request["outside_pool_context"].values()) for request in rank["requests"]]
+        text.append(f"  rank {rank['rank']}: in the pool {sum(inside)}/{len(inside)}; outside it per request {outside}")
+    if summary["config"]["device"] == "cpu":
+        text.append(
+            "  CPU ranks: the pool is the test platform's stand-in for torch.xpu's (no caching allocator here), so "
+            "the fresh counts above are the CPU allocator's; on XPU the pool's segments stay where oneCCL saw them"
+        )
+    return text
 
 
 def format_layer(summary: dict[str, Any]) -> list[str]:
