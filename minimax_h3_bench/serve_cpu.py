@@ -9,6 +9,9 @@ text-to-video (Ulysses 4) with ``--pipeline wan2_2``:
 
     python -m minimax_h3_bench.serve_cpu --output-dir out/serve_cpu
     python -m minimax_h3_bench.serve_cpu --pipeline wan2_2 --output-dir out/serve_cpu_wan2_2
+
+``VLLM_OMNI_PERSISTENT_COLLECTIVES`` in the environment picks the whole-request fix's mode (default ``1``, staged;
+``pool`` runs each request in the worker's private memory pool, here the CPU test platform's stand-in for it).
 """
 
 from __future__ import annotations
@@ -58,7 +61,10 @@ RECEIPTS = {
     "empty_cache": r"\[CPU_TEST_PLATFORM\] empty_cache #",
     "layer_installs": r"\[PERSISTENT_COLLECTIVES\] persistent buffers in use in this process ",
     "dit_compile": r"Regional compilation applied to \d+ module",  # vLLM-Omni's own line: Inductor, lazy
+    "pools_made": r"\[CPU_TEST_PLATFORM\] MemPool \(\d+, \d+\) made ",
+    "pool_entries": r"\[CPU_TEST_PLATFORM\] MemPool \(\d+, \d+\) in use ",
 }
+SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 
 
 @dataclass
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_synthetic_pipeline()
     print(f"[serve_cpu] serving {model} on {WORLD} CPU ranks (takes about a minute to start)", file=sys.stderr)
-    with serve(model, args.output_dir / "server.log", reuse="1") as server:
+    switch = os.environ.get(SWITCH_ENV, "1")
+    with serve(model, args.output_dir / "server.log", reuse="1", env={SWITCH_ENV: switch}) as server:
         mp4 = request_video(server, args.prompt, seed=0)
     (args.output_dir / "t2va.mp4").write_bytes(mp4)
     log = (args.output_dir / "server.log").read_text(errors="replace")
@@ -238,8 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         print(*(f"  {line}" for line in lines if kind in line), sep="\n")
     gathers, allocs = counts["gathers"], counts["workspace_allocs"]
     print(f"  ... {gathers} tile gathers served by the reused workspace in all, {allocs} workspace allocation(s)")
+    pooled = switch.strip().lower() == "pool"
+    if pooled:
+        made, entered = receipt_pids(log, "pools_made"), receipt_pids(log, "pool_entries")
+        print(f"  request pool ({SWITCH_ENV}=pool): pools made per worker {sorted(made.values())}, ", end="")
+        print(f"requests entered per worker {sorted(entered.values())} (the engine's warm-up is one)")
     print(f"video: {media_info(mp4)} -> {args.output_dir / 't2va.mp4'}")
-    return 0 if counts["installs"] == WORLD and counts["gathers"] > 0 else 1
+    in_pool = not pooled or sorted(receipt_pids(log, "pools_made").values()) == [1] * WORLD
+    return 0 if counts["installs"] == WORLD and counts["gathers"] > 0 and in_pool else 1
 
 
 def _serve_wan2_2(args: argparse.Namespace) -> int:
