@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""The collective census end to end: three ``vllm-omni serve`` runs on four CPU ranks: off, VAE only, whole request.
+"""The collective census end to end: four ``vllm-omni serve`` runs on four CPU ranks: off, VAE only, whole request
+staged, and whole request in pool mode (the CPU test platform's stand-in for the pool API: routing, not placement).
 
 Served on vLLM-Omni 0.30.0, the release the patches target and ``requirements/xpu.txt`` installs: its request path is
 0.28.0's plus the pipeline's object collectives on the world's device group. 0.28.0's is the reach check's and the
@@ -15,7 +16,7 @@ from importlib.metadata import version
 import pytest
 
 from benchmarks import minimax_h3_pipeline_census as census_bench
-from minimax_h3_bench import upstream_patches
+from minimax_h3_bench import serve_cpu, upstream_patches
 from minimax_h3_gather.census import COMPONENTS
 
 pytestmark = [
@@ -54,6 +55,7 @@ SCHEMA = {
         "bookkeeping_errors",
         "unmanaged_sites",
         "staged_bytes",
+        "outside_pool_context",
         "timeline",
         "books",
     },
@@ -75,7 +77,7 @@ SCHEMA = {
         "received_MiB_per_request_rank0",
         "layer",
     },
-    "rank": {"rank", "requests", "timing", "persistent_collectives", "memory", "compile"},
+    "rank": {"rank", "requests", "timing", "persistent_collectives", "memory", "compile", "pool"},
 }
 
 
@@ -91,9 +93,9 @@ def _requests(census, fix):
     return census_bench.requests_of(census[2], fix)
 
 
-def test_exits_zero_with_media_identical_across_the_three_runs_and_writes_json_and_plot(census):
+def test_exits_zero_with_media_identical_across_the_four_runs_and_writes_json_and_plot(census):
     code, out, summary = census
-    assert code == 0 and summary["media_identical"] and list(summary["runs"]) == ["off", "vae", "whole"]
+    assert code == 0 and summary["media_identical"] and list(summary["runs"]) == ["off", "vae", "whole", "pool"]
     digests = {tuple(run["media_sha256"]) for run in summary["runs"].values()}
     assert len(digests) == 1 and len(set(next(iter(digests)))) == 1  # identical requests, identical media
     assert (out / "census.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -176,7 +178,7 @@ def test_with_the_whole_fix_no_request_has_an_unmanaged_site_and_without_it_the_
 
 
 def test_dit_and_text_encoder_collectives_are_present_and_attributed_on_every_rank(census):
-    for fix in ("off", "vae", "whole"):
+    for fix in ("off", "vae", "whole", "pool"):
         for rank, index, request in _requests(census, fix):
             totals = census_bench.by_component(request)
             assert totals["dit"]["calls"] > 0 and totals["text_encoder"]["calls"] > 0, (fix, rank, index)
@@ -192,11 +194,11 @@ def test_dit_and_text_encoder_collectives_are_present_and_attributed_on_every_ra
     last = {fix: census_bench.by_component(runs[fix]["ranks"][0]["requests"][-1]) for fix in runs}
     assert last["off"]["dit"] == last["vae"]["dit"]
     moved = ("calls", "bytes_sent", "bytes_received")
-    assert all(last["whole"]["dit"][key] == last["off"]["dit"][key] for key in moved)
+    assert all(last[fix]["dit"][key] == last["off"]["dit"][key] for key in moved for fix in ("whole", "pool"))
 
 
 def test_every_request_shows_release_windows_between_components(census):
-    for fix in ("off", "vae", "whole"):
+    for fix in ("off", "vae", "whole", "pool"):
         for _, _, request in _requests(census, fix):
             assert request["releases"] >= 2
             steps = [step for step in request["timeline"] if step not in ("release", "other")]
@@ -207,18 +209,18 @@ def test_every_request_shows_release_windows_between_components(census):
 def test_every_run_compiles_the_dit_as_xpu_does_with_the_same_graph_breaks(census):
     summary = census[2]
     assert summary["config"]["dit_compile"]
-    for fix in ("off", "vae", "whole"):
+    for fix in ("off", "vae", "whole", "pool"):
         for rank in summary["runs"][fix]["ranks"]:
             assert [c["dit_compiled"] for c in rank["compile"]] == [True] * REQUESTS, (fix, rank["rank"])
     breaks = {fix: [r["graph_breaks"] for r in ranks] for fix, ranks in summary["compile"].items()}
-    assert breaks["off"] == breaks["vae"] == breaks["whole"], breaks
+    assert breaks["off"] == breaks["vae"] == breaks["whole"] == breaks["pool"], breaks
 
 
 def test_census_json_schema_is_stable(census):
     summary = census[2]
     assert set(summary) == SCHEMA["top"] and set(summary["projection"]) == SCHEMA["projection"]  # TP: projected
     assert summary["projection"]["layer"]["resident_MiB_rank0"] > 0
-    for fix in ("off", "vae", "whole"):
+    for fix in ("off", "vae", "whole", "pool"):
         assert set(summary["runs"][fix]) == SCHEMA["run"]
         assert all(set(rank) == SCHEMA["rank"] for rank in summary["runs"][fix]["ranks"])
         for _, _, request in _requests(census, fix):
@@ -251,7 +253,7 @@ def test_every_worker_samples_memory_after_each_request_as_rss_labelled_as_the_l
 
 def test_the_seed_table_has_per_rank_growth_between_consecutive_requests_for_each_run(census):
     table = census[2]["memory_growth"]
-    assert list(table) == ["off", "vae", "whole"]
+    assert list(table) == ["off", "vae", "whole", "pool"]
     for fix, rows in table.items():
         assert [row["rank"] for row in rows] == [0, 1, 2, 3], fix
         for row in rows:
@@ -329,3 +331,31 @@ def test_a_real_checkpoint_gets_the_seeds_request_unless_told_otherwise(tmp_path
     assert census_bench.seed_request(census_bench.parse_args([])) is None
     with pytest.raises(SystemExit):
         census_bench.parse_args(["--model", str(tmp_path), "--num-frames", "0"])
+
+
+def test_in_pool_mode_every_rank_ran_each_request_forward_in_its_one_pool_and_made_no_device_call_outside_it(census):
+    code, out, summary = census
+    for rank in summary["runs"]["pool"]["ranks"]:
+        entered = [{"in_pool": True, "requests_entered": index} for index in range(1, REQUESTS + 1)]
+        assert rank["pool"] == entered, rank["rank"]  # the forward runs every component: all inside
+        assert all(request["outside_pool_context"] == {} for request in rank["requests"]), rank["rank"]
+    for fix in ("off", "vae", "whole"):
+        assert all(rank["pool"] == [None] * REQUESTS for rank in summary["runs"][fix]["ranks"]), fix
+    log = (out / "tp-pool" / "server.log").read_text(errors="replace")
+    made = serve_cpu.receipt_pids(log, "pools_made")
+    assert sorted(made.values()) == [1] * serve_cpu.WORLD  # one pool per worker, made once, at start-up
+    assert serve_cpu.receipt_pids(log, "pool_entries").keys() == made.keys()
+
+
+def test_in_pool_mode_request_tensors_go_to_torch_unstaged_no_block_is_made_and_nothing_is_copied(census):
+    summary = census[2]
+    for rank in summary["runs"]["pool"]["ranks"]:
+        for row in census_bench.layer_per_request(rank):
+            assert row["pooled_calls"] > 0 and row["staged_calls"] == 0 and row["fallbacks"] == 0, rank["rank"]
+            assert row["blocks"] == 0 and row["resident_bytes"] == 0 and row["staged_bytes"] == 0, rank["rank"]
+        assert all(request["staged_bytes"] == {} for request in rank["requests"])
+    # Every call hands the backend memory of the pool (or the VAE gather's own workspace): none is unmanaged.
+    assert summary["unmanaged_sites"]["pool"] == {}
+    assert all(census_bench.layer_per_request(rank) for rank in summary["runs"]["whole"]["ranks"])
+    text = census_bench.format_table(summary)
+    assert "in the pool 3/3; outside it per request [0, 0, 0]" in text and "test platform's stand-in" in text
