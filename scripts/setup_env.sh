@@ -29,7 +29,7 @@ fi
 # Stamps decide what to redo: the requirements (minutes), then the project itself (seconds).
 reqs_stamp=$(cat "$reqs" requirements/common.txt requirements/bench.txt requirements/test.txt | sha256sum | cut -d' ' -f1)
 project_stamp=$(cat setup.py pyproject.toml README.md \
-  $(find vllm_omni minimax_h3_gather tests/cpu_platform -not -path '*/build/*' \
+  $(find vllm_omni minimax_h3_gather tests/cpu_platform tests/distributed/mem_pool_stand_in.py -not -path '*/build/*' \
     \( -name '*.py' -o -name '*.toml' -o -name '*.pth' \) | LC_ALL=C sort) \
   | sha256sum | cut -d' ' -f1)
 stamp_of() { cat "$venv/.stamp-$1" 2>/dev/null || true; }

@@ -46,7 +46,7 @@ KINDS = 7  # the calls ``kinds`` makes, barrier included
 
 
 def checks(rank: int, world: int) -> dict:
-    from vllm_omni_cpu_test_platform import mem_pool
+    from tests.distributed import mem_pool_stand_in as mem_pool
 
     from vllm_omni.distributed import persistent_collectives as pc
     from vllm_omni.distributed import request_pool

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from vllm_omni_cpu_test_platform import mem_pool
+from tests.distributed import mem_pool_stand_in as mem_pool
 
 from tests.distributed import pool_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks

@@ -2,6 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """A stand-in for ``torch.xpu``'s ``MemPool`` and ``use_mem_pool``, for CPU ranks: CPU has no caching allocator,
 so nothing can route an allocation into a pool here. It proves where the pool is used, not where memory lands.
+The CPU test platform installs this file as ``vllm_omni_cpu_test_platform.mem_pool`` for served workers.
 
 Its pool holds what a request makes: a tensor whose storage was not alive when the request began, unless it was
 made in an earlier request. ``snapshot()`` gives that as segments, the address gaps between the storages alive
@@ -20,7 +21,7 @@ import threading
 import torch
 from vllm.logger import init_logger
 
-logger = init_logger("vllm_omni.cpu_test_platform")
+logger = init_logger("vllm_omni.cpu_test_platform")  # its served workers' receipts
 
 _ids = itertools.count(1)
 _END = 1 << 64
