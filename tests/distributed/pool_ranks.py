@@ -47,7 +47,6 @@ KINDS = 7  # the calls ``kinds`` makes, barrier included
 
 def checks(rank: int, world: int) -> dict:
     from tests.distributed import mem_pool_stand_in as mem_pool
-
     from vllm_omni.distributed import persistent_collectives as pc
     from vllm_omni.distributed import request_pool
 

@@ -11,8 +11,8 @@ import types
 
 import pytest
 import torch
-from tests.distributed import mem_pool_stand_in as mem_pool
 
+from tests.distributed import mem_pool_stand_in as mem_pool
 from tests.distributed import pool_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks
 from vllm_omni.distributed import persistent_collectives as pc
