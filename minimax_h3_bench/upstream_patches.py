@@ -30,7 +30,8 @@ PLUGIN = "minimax_h3_vae_gather"
 TREE_ENV = "VLLM_OMNI_H3_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
 # What the patches carry from this checkout, beside their hand-made changes (vae.py in the first; the coordinator,
 # the platform interface and the request path's imports in the second; the third only carries; every diffusion
-# module's import of managed_distributed in the fourth; the worker's and HSDP's in the fifth). ``regenerate``
+# module's import of managed_distributed in the fourth; the worker's and HSDP's in the fifth; the worker's pool in
+# the seventh). ``regenerate``
 # refreshes the last patch: a file the last patch carries is as this checkout has it once every patch is applied;
 # the earlier patches' copies are their own (the first's vae_gather.py has no request-path scoping yet, the
 # second's persistent collectives predate the third's cost and contract changes).
@@ -56,6 +57,7 @@ CARRIED_LAST = (
     "vllm_omni/distributed/managed_distributed.py",
     "vllm_omni/distributed/traced_collectives.py",
     "vllm_omni/distributed/persistent_fsdp.py",
+    "vllm_omni/distributed/request_pool.py",
     "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
     *(
         f"tests/distributed/{name}"
@@ -73,6 +75,9 @@ CARRIED_LAST = (
             "test_sequence_parallel.py",
             "test_managed_distributed.py",
             "test_persistent_fsdp.py",
+            "mem_pool_stand_in.py",
+            "pool_ranks.py",
+            "test_request_pool.py",
         )
     ),
 )
