@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     if pooled:
         made, entered = receipt_pids(log, "pools_made"), receipt_pids(log, "pool_entries")
         print(f"  request pool ({SWITCH_ENV}=pool): pools made per worker {sorted(made.values())}, ", end="")
-        print(f"requests entered per worker {sorted(entered.values())} (the engine's warm-up is one)")
+        print(f"requests entered per worker {sorted(entered.values())}")
     print(f"video: {media_info(mp4)} -> {args.output_dir / 't2va.mp4'}")
     in_pool = not pooled or sorted(receipt_pids(log, "pools_made").values()) == [1] * WORLD
     return 0 if counts["installs"] == WORLD and counts["gathers"] > 0 and in_pool else 1
