@@ -18,15 +18,18 @@ class _Dit(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(0)
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
-        self.head = torch.nn.Linear(16, 4)  # the root's own parameters
+        # Three units of unequal size, the largest first (the root, whose own parameters are gathered first): an odd
+        # count of units in every order must find its blocks from request 2 on.
+        self.proj_in = torch.nn.Linear(16, 64)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(i, o) for i, o in ((64, 8), (8, 4)))
         for parameter in self.parameters():
             torch.nn.init.normal_(parameter, generator=generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.proj_in(x)
         for block in self.blocks:
             x = torch.nn.functional.gelu(block(x))
-        return self.head(x)
+        return x
 
 
 def _sharded(fully_shard, prefetch: int = 0) -> torch.nn.Module:
@@ -69,9 +72,11 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             "requests": recorder.summary(),
             "custom": [_comm_name(unit) for unit in [*model.blocks, model]],
             "outputs_in_blocks": any(is_persistent(out) for out in outputs),
-            "largest_unit_bytes": max(4 * sum(p.numel() for p in block.parameters()) for block in model.blocks),
+            "largest_unit_bytes": max(
+                4 * sum(p.numel() for p in u.parameters()) for u in [model.proj_in, *model.blocks]
+            ),
         }
-    report["slots"] = [slot.nbytes for slot in persistent_fsdp._shared._slots]
+    report["slots"] = [slot.nbytes for slot in persistent_fsdp._shared.blocks]
     os.environ[SWITCH_ENV] = "1"
     deep = _sharded(persistent_fsdp.fully_shard, prefetch=2)
     with torch.inference_mode():

@@ -179,6 +179,14 @@ def test_on_a_group_this_rank_is_not_in_every_kind_returns_and_leaves_its_tensor
             assert report["staged"]["untouched"] and report["plain"]["untouched"], rank
 
 
+def test_point_to_point_on_a_group_this_rank_is_not_in_returns_or_raises_what_plain_does(defects):
+    # isend, irecv and recv return what torch's do; send raises torch's ValueError; the tensor is left alone.
+    for rank, report in enumerate(checks["non_member_point_to_point"] for checks in defects):
+        if rank not in (0, 2):
+            assert report["staged"] == report["plain"], rank
+            assert report["plain"]["untouched"] and report["plain"]["send"].startswith("ValueError"), report
+
+
 @pytest.fixture(scope="module")
 def capped(four):
     return [checks["capped_blocks"] for checks in four]

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""FSDP2's parameter all-gather through ``persistent_fsdp`` on four gloo ranks, as vLLM-Omni's HSDP shards a DiT."""
+"""FSDP2's parameter all-gather through ``persistent_fsdp`` on three and four gloo ranks, as vLLM-Omni's HSDP shards a
+DiT (units of unequal size, the largest first)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,10 @@ from tests.distributed.ranks import results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
 
-WORLD = 4
 
-
-@pytest.fixture(scope="module")
-def reports():
-    return results_or_raise(run_ranks(fsdp_ranks.checks, WORLD, timeout_s=600), WORLD)
+@pytest.fixture(scope="module", params=[3, 4], ids=lambda world: f"{world}ranks")
+def reports(request):
+    return results_or_raise(run_ranks(fsdp_ranks.checks, request.param, timeout_s=600), request.param)
 
 
 @pytest.mark.parametrize("switch", ["0", "1"])
@@ -55,15 +54,36 @@ def test_with_deeper_prefetch_than_two_units_the_outputs_never_share_a_block_in_
 def test_a_block_is_handed_out_again_only_once_its_last_output_is_dropped():
     import torch
 
-    from vllm_omni.distributed.persistent_fsdp import PersistentAllGather
+    from vllm_omni.distributed.persistent_fsdp import PersistentAllGather, SharedSlots
 
-    comm, cpu = PersistentAllGather(), torch.device("cpu")
+    comm, cpu = PersistentAllGather(SharedSlots()), torch.device("cpu")
     first, second = (comm.allocate((8,), dtype=torch.float32, device=cpu) for _ in range(2))
     third = comm.allocate((8,), dtype=torch.float32, device=cpu)  # both blocks hold a live output
     blocks = {first.data_ptr(), second.data_ptr()}
     assert len(blocks) == 2 and third.data_ptr() not in blocks
     del first
     assert comm.allocate((8,), dtype=torch.float32, device=cpu).data_ptr() in blocks
+
+
+@pytest.mark.parametrize("sizes", [(1024, 768, 128), (128, 128, 1024), (128, 1024, 128, 1024, 128), (1024, 128)])
+def test_each_unit_keeps_its_block_so_no_block_grows_after_the_first_forward(sizes):
+    # FSDP2's pattern without prefetch: unit k+1 is allocated while unit k's output is alive, then k's is dropped.
+    import torch
+
+    from vllm_omni.distributed.persistent_fsdp import PersistentAllGather, SharedSlots
+
+    slots = SharedSlots()
+    units, cpu = [PersistentAllGather(slots) for _ in sizes], torch.device("cpu")
+    for forward in range(4):
+        alive = None
+        for unit, numel in zip(units, sizes, strict=True):
+            output = unit.allocate((numel,), dtype=torch.float32, device=cpu)
+            assert any(block.block is not None and output.data_ptr() == block.data_ptr for block in slots.blocks)
+            alive = output  # the previous unit's output is dropped only now
+        del alive, output
+        if forward == 0:
+            first = [(block.data_ptr, block.allocs) for block in slots.blocks]
+        assert [(block.data_ptr, block.allocs) for block in slots.blocks] == first, (forward, sizes)
 
 
 def test_a_unit_with_parameter_groups_on_several_meshes_shards_as_torchs_and_gathers_with_torchs_comm(

@@ -2,12 +2,14 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """``torch.distributed`` for the request path's modules. Tensor collectives go through the platform's, eager, and
 through the ops of ``traced_collectives`` when compiled. Staged, ``async_op=True`` runs them at once and returns a
-finished work (every rank calls collectives in the same order, so none waits on a later one); unstaged or compiled,
-it is torch's own call, overlap kept. Tensors staging would not write as the backend does (unlike dtypes or devices,
-outputs of the wrong shape or count, outputs that require grad) go to torch's own, which accepts or rejects them as
-the backend does. Point-to-point calls run as staged batches, eagerly. With persistent blocks, object collectives
-run on the gloo group over the same ranks, as the worker's own do. Any other name or call (uneven or non-contiguous
-list gathers, ``group_src`` and the like) is ``torch.distributed``'s own.
+finished work (every rank calls collectives in the same order, so none waits on a later one); unstaged, it is
+torch's own call, overlap kept. Compiled, whatever the ops do not carry is torch's own behind a graph break, so that
+every rank hands the backend its collectives in program order. Tensors staging would not write as the backend does
+(unlike dtypes or devices, outputs of the wrong shape or count, outputs that require grad) go to torch's own, which
+accepts or rejects them as the backend does. Point-to-point calls run as staged batches, eagerly, unless this rank is
+outside their group. With persistent blocks, object collectives run on the gloo group over the same ranks, as the
+worker's own do. Any other name or call (uneven or non-contiguous list gathers, ``group_src`` and the like) is
+``torch.distributed``'s own.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def __getattr__(name: str):
 
 
 def _torchs(async_op: bool) -> bool:
-    """Whether an ``async_op`` call is torch's own: compiled (Dynamo traces it), or with nothing to stage."""
+    """Whether an ``async_op`` call is torch's own: compiled (behind a graph break), or with nothing to stage."""
     return async_op and (torch.compiler.is_compiling() or not platform_collectives().staged)
 
 
@@ -51,7 +53,7 @@ def _copy_out(outputs, parts) -> None:
 
 def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
     if _torchs(async_op) or (torch.compiler.is_compiling() and traced.reduce_name(op) is None):
-        return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        return traced.torchs_own(_dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         traced.all_reduce(tensor, traced.reduce_name(op), group)
         return None
@@ -61,7 +63,7 @@ def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     if src is None or group_src is not None or _torchs(async_op):
-        return _dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+        return traced.torchs_own(_dist.broadcast, tensor, src=src, group=group, async_op=async_op, group_src=group_src)
     if torch.compiler.is_compiling():
         traced.broadcast(tensor, src, group)
         return None
@@ -76,7 +78,7 @@ def _one_per_rank(tensors: list, group) -> bool:
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     tensor = tensor.contiguous()
     if not _gathers_into(tensor_list, tensor, _dist.get_world_size(group)) or _torchs(async_op):
-        return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        return traced.torchs_own(_dist.all_gather, tensor_list, tensor, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         _copy_out(tensor_list, traced.all_gather(tensor, group).view(len(tensor_list), *tensor.shape).unbind(0))
         return None
@@ -87,7 +89,9 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
     input_tensor = input_tensor.contiguous()
     if not _gathers_into(output_tensor, input_tensor, _dist.get_world_size(group)) or _torchs(async_op):
-        return _dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+        return traced.torchs_own(
+            _dist.all_gather_into_tensor, output_tensor, input_tensor, group=group, async_op=async_op
+        )
     if torch.compiler.is_compiling():
         output_tensor.copy_(traced.all_gather(input_tensor, group).view(output_tensor.shape))
         return None
@@ -101,7 +105,7 @@ all_gather_single = all_gather_into_tensor  # torch 2.13's name for it
 def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, async_op=False):
     untraced = torch.compiler.is_compiling() and traced.reduce_name(op) is None
     if not _writable(output, input) or _torchs(async_op) or untraced:
-        return _dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        return traced.torchs_own(_dist.reduce_scatter_tensor, output, input, op=op, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         output.copy_(traced.reduce_scatter(input, traced.reduce_name(op), group).view(output.shape))
         return None
@@ -117,7 +121,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     one_sided = (output_split_sizes is None) != (input_split_sizes is None)  # the traced op sizes its output by both
     staged = _writable(output, input) and not (one_sided and torch.compiler.is_compiling())
     if not staged or _torchs(async_op):
-        return _dist.all_to_all_single(output, input, *splits, group=group, async_op=async_op)
+        return traced.torchs_own(_dist.all_to_all_single, output, input, *splits, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
         output.copy_(traced.all_to_all(input, *splits, group).view(output.shape))
         return None
@@ -132,7 +136,9 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     even = all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in parts)
     fits = even and _one_per_rank(output_tensor_list, group) and _one_per_rank(input_tensor_list, group)
     if not fits or _torchs(async_op):
-        return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+        return traced.torchs_own(
+            _dist.all_to_all, output_tensor_list, input_tensor_list, group=group, async_op=async_op
+        )
     received = first.new_empty((len(output_tensor_list), *first.shape))
     all_to_all_single(received, torch.stack(input_tensor_list), group=group)
     _copy_out(output_tensor_list, received.unbind(0))
@@ -145,32 +151,32 @@ def batch_isend_irecv(p2p_op_list):
 
 
 def _p2p(op, tensor, peer, group, tag, group_peer):
-    if peer is None or group_peer is not None:
-        return None  # by rank within the group, or from any source: torch's own
+    if peer is None or group_peer is not None or _dist.distributed_c10d._rank_not_in_group(group):
+        return None  # by rank within the group, from any source, or outside the group: torch's own
     return batch_isend_irecv([_dist.P2POp(op, tensor, peer, group, tag)])[0]
 
 
 def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
     work = _p2p(_dist.isend, tensor, dst, group, tag, group_dst)
-    return work if work is not None else _dist.isend(tensor, dst, group, tag, group_dst)
+    return work if work is not None else _dist.isend(tensor, dst, group=group, tag=tag, group_dst=group_dst)
 
 
 def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     work = _p2p(_dist.irecv, tensor, src, group, tag, group_src)
-    return work if work is not None else _dist.irecv(tensor, src, group, tag, group_src)
+    return work if work is not None else _dist.irecv(tensor, src, group=group, tag=tag, group_src=group_src)
 
 
 def send(tensor, dst=None, group=None, tag=0, group_dst=None):
     work = _p2p(_dist.isend, tensor, dst, group, tag, group_dst)
     if work is None:
-        return _dist.send(tensor, dst, group, tag, group_dst)
+        return _dist.send(tensor, dst, group=group, tag=tag, group_dst=group_dst)
     work.wait()
 
 
 def recv(tensor, src=None, group=None, tag=0, group_src=None):
     work = _p2p(_dist.irecv, tensor, src, group, tag, group_src)
     if work is None:
-        return _dist.recv(tensor, src, group, tag, group_src)
+        return _dist.recv(tensor, src, group=group, tag=tag, group_src=group_src)
     work.wait()
     return src
 

@@ -569,7 +569,7 @@ def coordinator_all_reduce(self, input_: torch.Tensor, op=dist.ReduceOp.SUM) -> 
     if not torch.compiler.is_compiling():
         return platform_collectives().all_reduce(input_, self.device_group, op)
     if (name := traced_collectives.reduce_name(op)) is None:
-        dist.all_reduce(input_, op=op, group=self.device_group)  # traced as torch traces it
+        traced_collectives.torchs_own(dist.all_reduce, input_, op=op, group=self.device_group)
         return input_
     return traced_collectives.all_reduce(input_, name, self.device_group)
 

@@ -3,6 +3,11 @@
 """Registered ops through which compiled code reaches the platform's collectives: Dynamo traces torch's own as
 functional collectives into fresh outputs, which no staging sees. Each op finds its group by name, as torch's
 functional collectives do, and is never dead code, since every rank must run it.
+
+Inductor orders its own collectives as the program calls them, but not ops it does not know, and reorders
+independent nodes by memory: graphs that differ between ranks (split sizes are constants) could then hand the
+backend their collectives in a different order on each rank and hang. So every op also writes one shared element,
+``ORDER``: each depends on the one the program called before it, and no compiler may swap them.
 """
 
 from __future__ import annotations
@@ -12,7 +17,14 @@ import torch.distributed as dist
 
 from .persistent_collectives import platform_collectives
 
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_R = dist.ReduceOp
+REDUCE_OPS = {
+    "sum": _R.SUM, "avg": _R.AVG, "product": _R.PRODUCT, "min": _R.MIN, "max": _R.MAX, "band": _R.BAND,
+    "bor": _R.BOR, "bxor": _R.BXOR,
+}  # fmt: skip
+
+with torch.inference_mode(False):  # written by graphs compiled in and out of inference mode alike
+    ORDER = torch.zeros(1)  # never read: its writes chain the ops in program order
 
 
 def _group(group_name: str):
@@ -24,51 +36,70 @@ def group_name(group) -> str:
 
 
 def reduce_name(op) -> str | None:
-    """The op's name here, or None where it has none (then torch traces the call as its own)."""
+    """The op's name here, or None where it has none (then the call is torch's own, behind a graph break)."""
     return next((name for name, reduce in REDUCE_OPS.items() if op == reduce), None)
 
 
-@torch.library.custom_op("vllm_omni::all_reduce", mutates_args=("tensor",))
-def _all_reduce(tensor: torch.Tensor, op: str, group_name: str) -> None:
+def torchs_own(call, *args, **kwargs):
+    """``call``, a collective of torch's own. Compiled, it runs behind a graph break: Inductor would order it among
+    its own collectives but not against these ops, so the ranks could hand them to the backend in different orders."""
+    if torch.compiler.is_compiling():
+        return _eagerly(call, *args, **kwargs)
+    return call(*args, **kwargs)
+
+
+@torch.compiler.disable
+def _eagerly(call, *args, **kwargs):
+    return call(*args, **kwargs)
+
+
+@torch.library.custom_op("vllm_omni::all_reduce", mutates_args=("tensor", "order"))
+def _all_reduce(tensor: torch.Tensor, op: str, group_name: str, order: torch.Tensor) -> None:
     platform_collectives().all_reduce(tensor, _group(group_name), REDUCE_OPS[op])
 
 
-@torch.library.custom_op("vllm_omni::broadcast", mutates_args=("tensor",))
-def _broadcast(tensor: torch.Tensor, src: int, group_name: str) -> None:
+@torch.library.custom_op("vllm_omni::broadcast", mutates_args=("tensor", "order"))
+def _broadcast(tensor: torch.Tensor, src: int, group_name: str, order: torch.Tensor) -> None:
     platform_collectives().broadcast(tensor, src, _group(group_name))
 
 
-@torch.library.custom_op("vllm_omni::all_gather", mutates_args=())
-def _all_gather(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+@torch.library.custom_op("vllm_omni::all_gather", mutates_args=("order",))
+def _all_gather(tensor: torch.Tensor, world_size: int, group_name: str, order: torch.Tensor) -> torch.Tensor:
     out = tensor.new_empty((world_size * tensor.shape[0], *tensor.shape[1:]))
     return platform_collectives().all_gather_into_tensor(out, tensor, _group(group_name))
 
 
-@torch.library.custom_op("vllm_omni::reduce_scatter", mutates_args=())
-def _reduce_scatter(tensor: torch.Tensor, op: str, world_size: int, group_name: str) -> torch.Tensor:
+@torch.library.custom_op("vllm_omni::reduce_scatter", mutates_args=("order",))
+def _reduce_scatter(
+    tensor: torch.Tensor, op: str, world_size: int, group_name: str, order: torch.Tensor
+) -> torch.Tensor:
     out = tensor.new_empty((tensor.shape[0] // world_size, *tensor.shape[1:]))
     return platform_collectives().reduce_scatter_tensor(out, tensor, _group(group_name), REDUCE_OPS[op])
 
 
-@torch.library.custom_op("vllm_omni::all_to_all", mutates_args=())
+@torch.library.custom_op("vllm_omni::all_to_all", mutates_args=("order",))
 def _all_to_all(
-    tensor: torch.Tensor, output_split_sizes: list[int] | None, input_split_sizes: list[int] | None, group_name: str
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    group_name: str,
+    order: torch.Tensor,
 ) -> torch.Tensor:
-    out = _all_to_all_output(tensor, output_split_sizes, input_split_sizes, group_name)
+    out = _all_to_all_output(tensor, output_split_sizes, input_split_sizes, group_name, order)
     return platform_collectives().all_to_all_single(
         out, tensor, _group(group_name), output_split_sizes, input_split_sizes
     )
 
 
-def _all_to_all_output(tensor, output_split_sizes, input_split_sizes, group_name):
+def _all_to_all_output(tensor, output_split_sizes, input_split_sizes, group_name, order):
     rows = tensor.shape[0] if output_split_sizes is None else sum(output_split_sizes)
     return tensor.new_empty((rows, *tensor.shape[1:]))
 
 
-_all_reduce.register_fake(lambda tensor, op, group_name: None)
-_broadcast.register_fake(lambda tensor, src, group_name: None)
-_all_gather.register_fake(lambda t, world_size, group_name: t.new_empty((world_size * t.shape[0], *t.shape[1:])))
-_reduce_scatter.register_fake(lambda t, op, world_size, name: t.new_empty((t.shape[0] // world_size, *t.shape[1:])))
+_all_reduce.register_fake(lambda tensor, op, group_name, order: None)
+_broadcast.register_fake(lambda tensor, src, group_name, order: None)
+_all_gather.register_fake(lambda t, world, name, order: t.new_empty((world * t.shape[0], *t.shape[1:])))
+_reduce_scatter.register_fake(lambda t, op, world, name, order: t.new_empty((t.shape[0] // world, *t.shape[1:])))
 _all_to_all.register_fake(_all_to_all_output)
 for _op in (_all_reduce, _broadcast, _all_gather, _reduce_scatter, _all_to_all):
     torch.fx.node.has_side_effect(_op._opoverload)
@@ -86,22 +117,24 @@ def _in_place(op, tensor: torch.Tensor, *args) -> torch.Tensor:
 
 
 def all_reduce(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
-    return _in_place(torch.ops.vllm_omni.all_reduce, tensor, op, group_name(group))
+    return _in_place(torch.ops.vllm_omni.all_reduce, tensor, op, group_name(group), ORDER)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
-    return _in_place(torch.ops.vllm_omni.broadcast, tensor, src, group_name(group))
+    return _in_place(torch.ops.vllm_omni.broadcast, tensor, src, group_name(group), ORDER)
 
 
 def all_gather(tensor: torch.Tensor, group) -> torch.Tensor:
     """Every rank's ``tensor`` stacked along dim 0, in rank order."""
-    return torch.ops.vllm_omni.all_gather(tensor.contiguous(), dist.get_world_size(group), group_name(group))
+    world = dist.get_world_size(group)
+    return torch.ops.vllm_omni.all_gather(tensor.contiguous(), world, group_name(group), ORDER)
 
 
 def reduce_scatter(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
-    return torch.ops.vllm_omni.reduce_scatter(tensor.contiguous(), op, dist.get_world_size(group), group_name(group))
+    world = dist.get_world_size(group)
+    return torch.ops.vllm_omni.reduce_scatter(tensor.contiguous(), op, world, group_name(group), ORDER)
 
 
 def all_to_all(tensor: torch.Tensor, output_split_sizes, input_split_sizes, group) -> torch.Tensor:
     splits = [None if s is None else list(s) for s in (output_split_sizes, input_split_sizes)]
-    return torch.ops.vllm_omni.all_to_all(tensor.contiguous(), *splits, group_name(group))
+    return torch.ops.vllm_omni.all_to_all(tensor.contiguous(), *splits, group_name(group), ORDER)
