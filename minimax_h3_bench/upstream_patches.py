@@ -9,6 +9,7 @@ fresh (the installed copy carries this project's overlay). Run from the 0.30.0 e
     python -m minimax_h3_bench.upstream_patches test         # check, then the patch's tests and the serve test
                                                              # against the patched tree, with the plugin off
     python -m minimax_h3_bench.upstream_patches regenerate   # rewrite patches/ from this checkout's files
+    python -m minimax_h3_bench.upstream_patches regenerate --new MESSAGE_FILE   # the change as a patch of its own
 """
 
 from __future__ import annotations
@@ -70,11 +71,13 @@ CARRIED_LAST = (
             "contract_ranks.py",
             "managed_ranks.py",
             "fsdp_ranks.py",
+            "order_ranks.py",
             "test_persistent_collectives.py",
             "test_group_coordinator.py",
             "test_sequence_parallel.py",
             "test_managed_distributed.py",
             "test_persistent_fsdp.py",
+            "test_program_order.py",
             "mem_pool_stand_in.py",
             "pool_ranks.py",
             "test_request_pool.py",
@@ -157,8 +160,9 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
         _git_ok(tree, "commit", "-q", "-m", f"apply {patch.name}")
 
 
-def regenerate(patches: list[Path]) -> list[Path]:
-    """Re-apply the patches as commits, refresh what the last one carries from this checkout, write them out."""
+def regenerate(patches: list[Path], message: Path | None = None) -> list[Path]:
+    """Re-apply the patches as commits, refresh what the last one carries from this checkout (or, with a
+    ``message``, carry the change in a new patch of its own with that message), write them out."""
     with tempfile.TemporaryDirectory() as scratch:
         tree = pristine_tree(Path(scratch))
         _git_ok(tree, "am", "-q", "--keep-non-patch", *map(str, patches))
@@ -168,10 +172,11 @@ def regenerate(patches: list[Path]) -> list[Path]:
             shutil.copyfile(ROOT / relative, target)
         _git_ok(tree, "add", "-A")
         if _git(tree, "diff", "--cached", "--quiet").returncode != 0:
-            _git_ok(tree, "commit", "-q", "--amend", "--no-edit")
+            how = ["--amend", "--no-edit"] if message is None else ["-F", str(message.resolve())]
+            _git_ok(tree, "commit", "-q", *how)
         for old in patches:
             old.unlink()
-        since = f"HEAD~{len(patches)}"
+        since = f"HEAD~{len(patches) + (message is not None)}"
         out = _git_ok(tree, "format-patch", "-q", "-N", "--no-signature", "--zero-commit", "-o", str(PATCHES), since)
         return [Path(line) for line in out.splitlines()]
 
@@ -209,10 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("check", "test", "regenerate"))
     parser.add_argument("--tree", type=Path, help="where to lay the patched tree (default: a new temporary directory)")
+    parser.add_argument("--new", type=Path, metavar="MESSAGE_FILE", help="regenerate: a new last patch, this message")
     args = parser.parse_args(argv)
     patches = patch_files()
     if args.action == "regenerate":
-        for written in regenerate(patches):
+        for written in regenerate(patches, args.new):
             print(f"[upstream] wrote {written.relative_to(ROOT)}")
         return 0
     tree = args.tree or Path(tempfile.mkdtemp(prefix="vllm-omni-0.30.0-patched-"))
