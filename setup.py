@@ -24,7 +24,7 @@ def _requirements(name: str) -> list[str]:
 
 setup(
     name="minimax-h3-vae-gather",
-    version="0.10.1",
+    version="0.11.0",
     description="Address-stable tile gather for the MiniMax-H3 video VAE in vLLM-Omni (XPU memory-leak fix)",
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",

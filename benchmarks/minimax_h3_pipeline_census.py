@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from minimax_h3_bench import report, serve_cpu, stats
+from minimax_h3_bench.upstream_patches import plugins_without_ours
 from minimax_h3_gather.census import CENSUS_ENV, COMPONENTS
 from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV
 from vllm_omni.distributed.persistent_collectives import SWITCH_ENV
@@ -55,7 +56,10 @@ LAYOUTS = {
 }
 # The checkpoints' model_index.json class names vLLM-Omni serves with each pipeline (Wan2.2: text-to-video).
 CLASS_NAMES = {"MiniMaxH3Pipeline": "minimax_h3", "WanPipeline": "wan2_2", "QwenImagePipeline": "qwen_image"}
-COMMON_FLAGS = tuple(f for f in serve_cpu.SERVE_FLAGS if not f.startswith("--tensor-parallel-size"))
+COMMON_FLAGS = tuple(f for f in serve_cpu.SERVE_FLAGS if not f.startswith(("--tensor-parallel-size", "--enable-cpu")))
+# How weights move between the host and the card: model-level (each component in turn, empty_cache() at each switch)
+# or layer-wise (each DiT layer in turn, on its own copy stream: what holds memory longer inside a pool).
+OFFLOAD_FLAGS = {"model": ("--enable-cpu-offload",), "layerwise": ("--enable-layerwise-offload",)}
 PROMPT = "a red fox running through fresh snow"
 # Each run's switches: both fixes off, MiniMax-H3's VAE tile gather only, the whole request staged, and the whole
 # request in the worker's private memory pool (on CPU ranks, the test platform's stand-in for the pool API).
@@ -64,14 +68,18 @@ RUNS = {
     "vae": {REUSE_ENV: "1", SWITCH_ENV: "0"},
     "whole": {REUSE_ENV: "1", SWITCH_ENV: "1"},
     "pool": {REUSE_ENV: "1", SWITCH_ENV: "pool"},
+    "release": {REUSE_ENV: "0", SWITCH_ENV: "0"},  # this project's fix not loaded at all (the census still is)
+}
+# Pool mode routes no collective, so the DiT compiles as released: its oracle (media, graph breaks) is the release,
+# served beside it wherever the DiT's compiled graph is not the same with the collectives routed.
+PIPELINE_RUNS = {
+    "minimax_h3": ("whole", "vae", "pool", "release", "off"),
+    "wan2_2": ("whole", "pool", "off", "release"),
+    "qwen_image": ("whole", "pool", "off", "release"),
 }
 # Per pipeline, its runs, served two at a time side by side with requests interleaved: the first two pair up, the
 # staged layer on / off.
-PIPELINE_RUNS = {
-    "minimax_h3": ("whole", "vae", "pool", "off"),
-    "wan2_2": ("whole", "off"),
-    "qwen_image": ("whole", "off"),
-}
+
 # Effective device copy bandwidth for the layer's copy cost at the seed's geometry (an assumption, not measured).
 COPY_GBS = 500.0
 TOTALS = ("calls", "bytes_sent", "bytes_received", "fresh_buffers", "fresh_bytes", "persistent_buffers")
@@ -113,13 +121,15 @@ def serve_and_count(
     request: dict[str, Any] | None = None,
     real: bool = False,
     eager: bool = False,
+    offload: str = "model",
 ) -> dict[str, Any]:
     """One server per run, all up at once, ``requests`` identical requests each in rotating order.
 
     ``real``: a real checkpoint (long start-up, long requests). Returns per run the media digests, every
     request's client wall time, and every rank's census.
     """
-    flags = (*COMMON_FLAGS, *LAYOUTS[pipeline][layout], *(("--enforce-eager",) if eager else ()))
+    flags = (*COMMON_FLAGS, *OFFLOAD_FLAGS[offload], *LAYOUTS[pipeline][layout])
+    flags += ("--enforce-eager",) if eager else ()
     dirs = {run: _run_dir(out, layout, run) for run in runs}
     media: dict[str, list[bytes]] = {run: [] for run in runs}
     walls: dict[str, list[float]] = {run: [] for run in runs}
@@ -127,6 +137,8 @@ def serve_and_count(
         servers = {}
         for run in runs:
             env = {CENSUS_ENV: str(dirs[run]), **RUNS[run]}
+            if run == "release":
+                env["VLLM_PLUGINS"] = plugins_without_ours()
             log, reuse = dirs[run] / "server.log", RUNS[run][REUSE_ENV]
             startup_s = 3600 if real else 600
             server = serve_cpu.serve(model, log, reuse=reuse, flags=flags, env=env, startup_s=startup_s, device=device)
@@ -263,7 +275,7 @@ def layer_per_request(rank: dict[str, Any]) -> list[dict[str, int]]:
         if snapshot is None:
             return []
         row = dict(snapshot)
-        for key in ("staged_calls", "pooled_calls", "fallbacks", "block_allocations", "payload_bytes", "staged_bytes"):
+        for key in ("staged_calls", "fallbacks", "block_allocations", "payload_bytes", "staged_bytes"):
             row[key] = snapshot.get(key, 0) - (previous.get(key, 0) if previous else 0)
         rows.append(row)
         previous = snapshot
@@ -285,8 +297,12 @@ def memory_growth(runs: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
             values = [sample[metric] / MIB for sample in samples]
             growth = [after - before for before, after in zip(values, values[1:], strict=False)]
             row = {"rank": rank["rank"], "metric": metric, "after_request_MiB": values, "growth_MiB": growth}
-            if metric == "non_pytorch_bytes":  # the pool arm's cost: what the caching allocator keeps
+            if metric == "non_pytorch_bytes":  # the pool arm's cost: what the caching allocator keeps, and whether
                 row["reserved_after_request_MiB"] = [sample["reserved_bytes"] / MIB for sample in samples]
+                row["peak_reserved_MiB"] = [sample.get("peak_reserved_bytes", 0) / MIB for sample in samples]
+                row["alloc_retries"] = [sample.get("alloc_retries", 0) for sample in samples]  # OOM closer?
+                row["pool_segments"] = [sample.get("pool_segments", 0) for sample in samples]
+                row["pool_MiB"] = [sample.get("pool_bytes", 0) / MIB for sample in samples]
             rows.append(row)
         table[name] = rows
     return table
@@ -297,11 +313,15 @@ def format_memory(summary: dict[str, Any]) -> list[str]:
     first = next(iter(table.values()))[0]
     steps = [f"growth {i}->{i + 1} MiB" for i in range(1, len(first["after_request_MiB"]))]
     reserved = "reserved_after_request_MiB" in first
-    lines = [["run", "rank", "after request 1 MiB", *steps, *(["reserved MiB after each"] if reserved else [])]]
+    allocator = ["reserved MiB after each", "peak reserved MiB", "retries", "pool segments", "pool MiB"]
+    lines = [["run", "rank", "after request 1 MiB", *steps, *(allocator if reserved else [])]]
     for name, rows in table.items():
         for row in rows:
             growth = [f"{g:+.1f}" for g in row["growth_MiB"]]
-            kept = [" / ".join(f"{r:.0f}" for r in row["reserved_after_request_MiB"])] if reserved else []
+            kept = []
+            if reserved:
+                keys = ("reserved_after_request_MiB", "peak_reserved_MiB", "alloc_retries", "pool_segments", "pool_MiB")
+                kept = [" / ".join(f"{r:.0f}" for r in row[key]) for key in keys]
             lines.append([name, str(row["rank"]), f"{row['after_request_MiB'][0]:.1f}", *growth, *kept])
     if first["metric"] == "rss_bytes":
         title = f"memory per rank ({memory_label(summary)}):"
@@ -372,7 +392,8 @@ def format_table(summary: dict[str, Any]) -> str:
                 f"MiB; copies {layer['copied_MiB_per_request_rank0']:.1f} MiB per request, about "
                 f"{layer['copy_ms_per_request_rank0']:.1f} ms at an assumed {layer['copy_GBps_assumed']:.0f} GB/s"
             )
-    text.append(f"media identical across the runs ({', '.join(summary['runs'])}): {summary['media_identical']}")
+    groups = " and ".join(f"({', '.join(group)})" for group in summary["media_groups"])
+    text.append(f"media identical across the runs {groups}: {summary['media_identical']}")
     return "\n".join(text)
 
 
@@ -387,10 +408,22 @@ def format_pool(summary: dict[str, Any]) -> list[str]:
         inside = [bool(p and p["in_pool"]) for p in rank["pool"]]
         outside = [sum(request["outside_pool_context"].values()) for request in rank["requests"]]
         text.append(f"  rank {rank['rank']}: in the pool {sum(inside)}/{len(inside)}; outside it per request {outside}")
+    text.append(
+        "calls in a request handed memory outside the pool, per site, rank 0, request by request: stable (addresses"
+        " the first request's calls handed over) / fresh (new since: growth the pool cannot stop)"
+    )
+    requests = run["ranks"][0]["requests"]
+    sites = sorted({site for r in requests for site in (*r["outside_pool_stable"], *r["outside_pool_fresh"])})
+    for site in sites:
+        counts = [f"{r['outside_pool_stable'].get(site, 0)}/{r['outside_pool_fresh'].get(site, 0)}" for r in requests]
+        text.append(f"  {' '.join(counts)}  {site}")
+    fresh = [sum(sum(r["outside_pool_fresh"].values()) for r in rank["requests"][1:]) for rank in run["ranks"]]
+    text.append(f"  fresh from request 2 on, per rank: {fresh}")
     if summary["config"]["device"] == "cpu":
         text.append(
-            "  CPU ranks: the pool is the test platform's stand-in for torch.xpu's (no caching allocator here), so "
-            "the fresh counts above are the CPU allocator's; on XPU the pool's segments stay where oneCCL saw them"
+            "  CPU ranks: the pool is the test platform's stand-in for torch.xpu's (no caching allocator here): its"
+            " segments (the memory a request made) answer what the pool holds, and the fresh counts above are the"
+            " CPU allocator's; on XPU the pool's own segments answer it"
         )
     return text
 
@@ -398,7 +431,7 @@ def format_pool(summary: dict[str, Any]) -> list[str]:
 def format_layer(summary: dict[str, Any]) -> list[str]:
     """The layer's own figures per rank and request, for the runs that have it."""
     lines = [
-        ["run", "req", "rank", "resident MiB", "blocks", "allocs", "staged", "pooled", "fallbacks", "payload MiB"]
+        ["run", "req", "rank", "resident MiB", "blocks", "allocs", "staged", "fallbacks", "payload MiB"]
         + ["copied MiB"]
     ]
     for fix, run in summary["runs"].items():
@@ -413,7 +446,6 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
                         str(row["blocks"]),
                         str(row["block_allocations"]),
                         str(row["staged_calls"]),
-                        str(row.get("pooled_calls", 0)),
                         str(row["fallbacks"]),
                         f"{row['payload_bytes'] / MIB:.2f}",
                         f"{row['staged_bytes'] / MIB:.2f}",
@@ -421,10 +453,19 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
                 )
     if len(lines) == 1:
         return []
-    title = "persistent collectives, per rank and request (resident: as it stands after the request; staged: calls on"
-    title += " memory outside the pool in pool mode; pooled: calls run as torch's own on the request pool's memory;"
-    title += " payload: the callers' tensors staged; copied: into and out of blocks)"
+    title = "persistent collectives, per rank and request (resident: as it stands after the request; staged: calls"
+    title += " copied through blocks, none in pool mode; payload: the callers' tensors staged; copied: into and out"
+    title += " of blocks)"
     return [title] + (report.align(lines))
+
+
+def media_groups(runs: dict[str, Any]) -> list[list[str]]:
+    """The runs whose media must be identical: those whose collectives are routed (off, the VAE's only, whole),
+    and pool mode with the release where the release is served (pool routes nothing, so its DiT compiles as the
+    release's), else with the routed runs."""
+    routed = [name for name in ("off", "vae", "whole") if name in runs]
+    unrouted = [name for name in ("pool", "release") if name in runs]
+    return [routed, unrouted] if "release" in runs else [routed + unrouted]
 
 
 def paired_runs(runs: dict[str, Any]) -> tuple[str, str] | None:
@@ -544,10 +585,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--without-pool-run",
         action="store_true",
-        help="MiniMax-H3: serve no pool-mode run (VLLM_OMNI_PERSISTENT_COLLECTIVES=pool)",
+        help="serve no pool-mode run (VLLM_OMNI_PERSISTENT_COLLECTIVES=pool), nor the release run beside it",
     )
     parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")
+    parser.add_argument(
+        "--offload",
+        choices=tuple(OFFLOAD_FLAGS),
+        default="model",
+        help="model-level offload (default, as the seed's runs) or layer-wise offload",
+    )
     parser.add_argument(
         "--eager",
         action="store_true",
@@ -661,10 +708,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None and args.pipeline == "qwen_image":
         from minimax_h3_bench.synthetic.qwen_image import REQUEST as request
     skipped = {run for run, skip in (("vae", args.without_vae_run), ("pool", args.without_pool_run)) if skip}
+    skipped |= {"release"} if args.without_pool_run else set()  # the pool arm's oracle
     names = tuple(run for run in PIPELINE_RUNS[args.pipeline] if run not in skipped)
     # CPU ranks can share the machine; a server on cards holds them, so the servers then run in turn.
     side_by_side = args.device == "cpu"
-    groups = [names[:2], names[2:]] if side_by_side else [(run,) for run in names]
+    groups = [names[i : i + 2] for i in range(0, len(names), 2)] if side_by_side else [(run,) for run in names]
     where = f"{args.requests} requests on {serve_cpu.WORLD} {args.device.upper()} ranks each"
     runs: dict[str, Any] = {}
     for group in filter(None, groups):
@@ -680,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
             request=request,
             real=args.model is not None or args.device != "cpu",
             eager=args.eager,
+            offload=args.offload,
         )
     runs = {name: runs[name] for name in RUNS if name in runs}
     # The projection's formula is the synthetic MiniMax-H3 pipeline's, under TP.
@@ -696,10 +745,14 @@ def main(argv: list[str] | None = None) -> int:
             "request": request,
             "side_by_side": side_by_side,
             "dit_compile": not args.eager,
+            "offload": args.offload,
         },
         "versions": {p: version(p) for p in ("torch", "vllm-omni")},
         "runs": runs,
-        "media_identical": len({tuple(run["media_sha256"]) for run in runs.values()}) == 1,
+        "media_identical": all(
+            len({tuple(runs[name]["media_sha256"]) for name in group}) == 1 for group in media_groups(runs)
+        ),  # fmt: skip
+        "media_groups": media_groups(runs),
         "compile": compile_summary(runs),
         "unmanaged_sites": unmanaged_sites(runs),
         "memory_growth": memory_growth(runs),

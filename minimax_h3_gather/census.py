@@ -219,7 +219,7 @@ def _counting(forward: Callable, ledger: CollectiveLedger, device, directory: Pa
             ledger.end_request()
             collectives = persistent_collectives.platform_collectives()
             books["persistent_collectives"].append(collectives.stats() if collectives.staged else None)
-            books["memory"].append(memory_record(device))
+            books["memory"].append(memory_record(device, pool=request_pool.worker_pool()))
             books["compile"].append(compile_record(self))
             _write(directory, ledger, books)
 

@@ -27,6 +27,7 @@ raised, so the collective it watches always runs.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import sys
@@ -155,6 +156,10 @@ class RequestReport:
     staged_bytes: dict[str, int] = field(default_factory=dict)  # component -> bytes copied into and out of blocks
     # Pool mode: component -> device-group calls made while no request ran in the worker's pool
     outside_pool_context: dict[str, int] = field(default_factory=dict)
+    # Pool mode, in a request: site -> calls handed memory outside the pool, at addresses the first request's calls
+    # already handed over (stable) or not (fresh: the growth the pool cannot stop)
+    outside_pool_stable: dict[str, int] = field(default_factory=dict)
+    outside_pool_fresh: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return dict(vars(self))
@@ -220,12 +225,34 @@ def _group(name: str, args: tuple, kwargs: dict) -> Any:
     return args[at] if at is not None and len(args) > at else kwargs.get("group")
 
 
-def _managed(name: str, tensors: list[torch.Tensor]) -> bool:
+class PoolSegments:
+    """Which addresses the worker's pool holds, read from its segments (``MemPool.snapshot()``, which walks the
+    device's blocks under the allocator's lock): for the census only, never on a collective's path. A pool's
+    segments only grow while it lives, so an address found once stays the pool's."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool, self._starts, self._ends = pool, [], []
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        address = tensor.untyped_storage().data_ptr()
+        return self._within(address) or (self._refresh() and self._within(address))
+
+    def _within(self, address: int) -> bool:
+        index = bisect.bisect_right(self._starts, address) - 1
+        return index >= 0 and address < self._ends[index]
+
+    def _refresh(self) -> bool:
+        segments = sorted((s["address"], s["address"] + s["total_size"]) for s in self._pool.snapshot())
+        self._starts, self._ends = [start for start, _ in segments], [end for _, end in segments]
+        return True
+
+
+def _managed(name: str, tensors: list[torch.Tensor], pooled: list[bool] | None) -> bool:
     """Whether a call on a device group hands the backend only persistent blocks and no temp of its own, or, in a
-    request running in the worker's pool, only the pool's memory and blocks (the backend's temps are the pool's)."""
-    pool = request_pool.worker_pool()
-    if pool is not None and pool.active:
-        return all(is_persistent(t) or pool.holds(t) for t in tensors)
+    request running in the worker's pool (``pooled``: whether it holds each tensor), only the pool's memory and
+    blocks (the backend's temps are the pool's)."""
+    if pooled is not None:
+        return all(inside or is_persistent(t) for t, inside in zip(tensors, pooled, strict=True))
     hidden_temp = name in ("barrier", "all_gather")  # XCCL's barrier and list gather make tensors of their own
     return not hidden_temp and bool(tensors) and all(is_persistent(t) for t in tensors)
 
@@ -252,6 +279,8 @@ class CollectiveLedger:
         self._hidden_ids = itertools.count()
         self._restore: list[Callable[[], None]] = []
         self._depth = 0
+        self._pool_segments: PoolSegments | None = None
+        self._outside_first: set[int] = set()  # addresses outside the pool the first request's calls handed over
         self._reset_request()
         self.requests: list[RequestReport] = []
 
@@ -267,6 +296,7 @@ class CollectiveLedger:
         self._unmanaged: Counter[str] = Counter()
         self._staged: Counter[str] = Counter()
         self._outside_pool_context: Counter[str] = Counter()
+        self._outside_pool: dict[str, Counter[str]] = {"stable": Counter(), "fresh": Counter()}
 
     @property
     def active(self) -> bool:
@@ -332,7 +362,8 @@ class CollectiveLedger:
         group = _group(name, args, kwargs)
         if group is not None and persistent_collectives.cpu_twin(group) is group:
             return  # the control plane's gloo group: no device backend, nothing it could register
-        if not _managed(name, sends + recvs):
+        pooled = self._pool_membership(site, sends + recvs)
+        if not _managed(name, sends + recvs, pooled):
             self._unmanaged[site] += 1
         if (pool := request_pool.worker_pool()) is not None and not pool.active:
             self._outside_pool_context[component] += 1
@@ -376,6 +407,24 @@ class CollectiveLedger:
             self._registry.popitem(last=False)
             self._evictions += 1
 
+    def _pool_membership(self, site: str, tensors: list[torch.Tensor]) -> list[bool] | None:
+        """In a request running in the worker's pool, whether the pool holds each tensor; books the call where it
+        hands over memory outside the pool, as stable or fresh. None outside pool mode's requests."""
+        pool = request_pool.worker_pool()
+        if pool is None or not pool.active:
+            return None
+        if self._pool_segments is None or self._pool_segments._pool is not pool:
+            self._pool_segments = PoolSegments(pool)
+        pooled = [self._pool_segments.holds(t) for t in tensors]
+        outside = {t.untyped_storage().data_ptr() for t, inside in zip(tensors, pooled, strict=True) if not inside}
+        outside = {address for address in outside if address}
+        if outside and not self.requests:
+            self._outside_first |= outside
+            self._outside_pool["stable"][site] += 1
+        elif outside:
+            self._outside_pool["stable" if outside <= self._outside_first else "fresh"][site] += 1
+        return pooled
+
     def pinned_bytes(self) -> int:
         return sum(r.nbytes for r in self._registry.values())
 
@@ -403,6 +452,8 @@ class CollectiveLedger:
             unmanaged_sites=dict(self._unmanaged),
             staged_bytes=dict(self._staged),
             outside_pool_context=dict(self._outside_pool_context),
+            outside_pool_stable=dict(self._outside_pool["stable"]),
+            outside_pool_fresh=dict(self._outside_pool["fresh"]),
         )
         self.requests.append(report)
         self._reset_request()

@@ -41,16 +41,24 @@ def process_rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def memory_record(device: torch.device, module: Any = None) -> dict[str, Any]:
-    """One census sample: on a device, used minus reserved beside reserved and allocated; on CPU, the RSS."""
+def memory_record(device: torch.device, module: Any = None, pool: Any = None) -> dict[str, Any]:
+    """One census sample: on a device, used minus reserved beside reserved and allocated, the allocator's peak
+    reserved and its retries after a failed allocation, and in pool mode the pool's segments; on CPU, the RSS."""
     sample = sample_memory(device, module)
     if sample is None:
         return {"device": "cpu", "rss_bytes": process_rss_bytes(), "label": CPU_LABEL}
+    module = module if module is not None else torch.get_device_module(device.type)
+    stats = module.memory_stats(device)
+    segments = pool.snapshot() if pool is not None else []
     return {
         "device": str(device),
         "non_pytorch_bytes": sample.non_pytorch_bytes,
         "used_bytes": sample.used_bytes,
         "reserved_bytes": sample.reserved_bytes,
         "allocated_bytes": sample.allocated_bytes,
+        "peak_reserved_bytes": stats.get("reserved_bytes.all.peak", 0),
+        "alloc_retries": stats.get("num_alloc_retries", 0),
+        "pool_segments": len(segments),
+        "pool_bytes": sum(segment["total_size"] for segment in segments),
         "label": "device memory in use outside PyTorch's allocator (driver used minus memory_reserved())",
     }

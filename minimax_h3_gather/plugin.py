@@ -5,8 +5,9 @@
 Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)`` and
 ``scope_checkpoint_collectives(self)``, and the request path's collectives go through the platform's (patch
 0002). vLLM-Omni loads this plugin in every process (API server, LLM stages, workers of any model), so it only
-hooks: the adapter when its module is loaded, and the request path (``request_path``) when a diffusion worker
-starts setting up its device. Any other process is left untouched.
+hooks: the adapter when its module is loaded, and in a diffusion worker, as it sets up its device, either the
+request path (``request_path``: staging) or, in pool mode, the worker's request entry points alone, which then run
+in its private pool while every collective stays torch's own. Any other process is left untouched.
 """
 
 from __future__ import annotations
@@ -89,8 +90,9 @@ def hook_adapter(module: ModuleType) -> bool:
 
 
 def hook_worker(module: ModuleType) -> bool:
-    """Make ``DiffusionWorker.init_device`` first hook the request path and end by opening the pool of pool mode,
-    and run each request entry point in it, once; returns whether it is hooked."""
+    """Make ``DiffusionWorker.init_device`` first hook the request path (staging) or end by opening the worker's
+    pool (pool mode, where no collective is routed), and run each request entry point in that pool, once; returns
+    whether it is hooked."""
     worker = getattr(module, "DiffusionWorker", None)
     original = getattr(worker, "init_device", None) if isinstance(worker, type) else None
     if not callable(original):
@@ -107,12 +109,16 @@ def hook_worker(module: ModuleType) -> bool:
 
     @functools.wraps(original)
     def init_device(self, *args, **kwargs):
-        hook_request_path()  # before the process groups exist, so that every coordinator is registered
+        pooled = switch_mode() == request_pool.POOL_MODE
+        if not pooled:
+            hook_request_path()  # before the process groups exist, so that every coordinator is registered
         result = plain_init(self, *args, **kwargs)
-        if switch_mode() == request_pool.POOL_MODE:  # after the device is set, before anything loads
+        if pooled:  # after the device is set, before anything loads
             from vllm_omni.platforms import current_omni_platform
 
-            request_pool.open_worker_pool(current_omni_platform)
+            request_pool.open_worker_pool(current_omni_platform, self.device)
+            logger.info("[PERSISTENT_COLLECTIVES] pool mode: collectives are torch's own (vllm-omni %s)",
+                        omni_version())  # fmt: skip
         return result
 
     setattr(init_device, _WORKER_MARK, True)

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """The census of the synthetic Wan2.2 text-to-video checkpoint (two experts), served on four CPU ranks with the
-fix off and with the whole-request fix, DiT compiled, in each layout vLLM-Omni offers for it. CI runs the VAE's
-spatially sharded decode over Ulysses 4 on vLLM-Omni 0.28.0 (the all-to-alls run inside the compiled blocks, the
-VAE exchanges halos); Ulysses with tile-parallel VAE, Ring, TP and CFG parallel run with ``--full-census`` (Ring's
-compiled exchange is also ``tests/distributed/test_sequence_parallel.py``'s). Pipeline parallelism is
+fix off, with the whole-request fix staged, in pool mode, and as released (pool mode's oracle: it routes nothing, so
+the DiT compiles as released), DiT compiled, in each layout vLLM-Omni offers for it. CI runs the VAE's spatially
+sharded decode over Ulysses 4 on vLLM-Omni 0.28.0 (the all-to-alls run inside the compiled blocks, the VAE exchanges
+halos); Ulysses with tile-parallel VAE, Ring, TP and CFG parallel run with ``--full-census`` (Ring's compiled
+exchange is also ``tests/distributed/test_sequence_parallel.py``'s). Pipeline parallelism is
 ``test_parallel_paths_census.py``'s. On 0.30.0 CI serves Wan2.2 end to end (``tests/e2e/test_wan2_2_serve_cpu.py``),
 with the plugin and in the patched tree."""
 
@@ -54,9 +55,10 @@ def census(request, tmp_path_factory):
     return request.param, code, json.loads((out / "census.json").read_text()), out
 
 
-def test_exits_zero_with_media_identical_with_the_fix_off_and_on(census):
+def test_exits_zero_with_media_identical_off_and_staged_and_in_the_pool_as_released(census):
     _, code, summary, _ = census
-    assert code == 0 and summary["media_identical"] and list(summary["runs"]) == ["off", "whole"]
+    assert code == 0 and summary["media_identical"] and list(summary["runs"]) == ["off", "whole", "pool", "release"]
+    assert summary["media_groups"] == [["off", "whole"], ["pool", "release"]]
     assert summary["config"]["pipeline"] == "wan2_2" and summary["projection"] is None
     assert len(set(summary["runs"]["whole"]["media_sha256"])) == 1  # identical requests, identical media
 
@@ -111,13 +113,24 @@ def test_the_persistent_collectives_stop_allocating_after_request_1_and_never_fa
     assert all(census_bench.layer_per_request(r) == [] for r in summary["runs"]["off"]["ranks"])
 
 
-def test_both_runs_compile_both_experts_with_the_same_graph_breaks(census):
+def test_every_run_compiles_both_experts_staged_with_the_breaks_of_off_and_pooled_with_the_releases(census):
     _, _, summary, _ = census
-    for fix in ("off", "whole"):
+    for fix in ("off", "whole", "pool", "release"):
         for rank in summary["runs"][fix]["ranks"]:
             assert [c["dit_compiled"] for c in rank["compile"]] == [True] * REQUESTS, (fix, rank["rank"])
     breaks = {fix: [r["graph_breaks"] for r in ranks] for fix, ranks in summary["compile"].items()}
-    assert breaks["off"] == breaks["whole"], breaks
+    assert breaks["off"] == breaks["whole"] and breaks["pool"] == breaks["release"], breaks
+
+
+def test_in_pool_mode_every_forward_runs_in_the_pool_nothing_is_staged_and_no_address_outside_it_is_new(census):
+    # The CPU test platform's stand-in for the pool API: it proves where the pool is used, not where memory lands.
+    _, _, summary, _ = census
+    for rank in summary["runs"]["pool"]["ranks"]:
+        assert [p["in_pool"] for p in rank["pool"]] == [True] * REQUESTS, rank["rank"]
+        for row in census_bench.layer_per_request(rank):
+            assert row["staged_calls"] == row["blocks"] == row["staged_bytes"] == 0, rank["rank"]
+        later = rank["requests"][1:]
+        assert all(request["outside_pool_fresh"] == {} for request in later), rank["rank"]
 
 
 def test_every_worker_and_only_the_workers_use_persistent_buffers_with_the_fix_and_compile_both_experts(census):

@@ -54,11 +54,14 @@ class MemPool:
         self.entries = 0
         self.depth = 0
         self.thread: int | None = None
+        self.devices: list = []  # the device each entry named
+        self.snapshots = 0  # walks of the pool's segments (the XPU allocator's take its lock)
         self._outside: dict[int, int] = {}
         self._own: set[int] = set()
         logger.info("[CPU_TEST_PLATFORM] MemPool %s made pid=%d (pools made: %d)", self.id, os.getpid(), MemPool.made)
 
     def snapshot(self) -> list[dict[str, int]]:
+        self.snapshots += 1
         if not self.depth:
             return []
         segments, start = [], 0
@@ -69,7 +72,8 @@ class MemPool:
         segments.append({"address": start, "total_size": _END - start})
         return segments
 
-    def _enter(self) -> None:
+    def _enter(self, device=None) -> None:
+        self.devices.append(device)
         live = _live_storages()
         self._outside = {address: n for address, n in live.items() if address not in self._own}
         self.depth, self.entries, self.thread = self.depth + 1, self.entries + 1, threading.get_ident()
@@ -82,7 +86,7 @@ class MemPool:
 
 @contextlib.contextmanager
 def use_mem_pool(pool: MemPool, device=None):
-    pool._enter()
+    pool._enter(device)
     try:
         yield
     finally:

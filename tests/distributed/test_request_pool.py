@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Pool mode: the switch, the worker's request pool and the collectives' routing by it, with the plain collectives as
-the oracle. The pool API is the CPU test platform's stand-in for ``torch.xpu``'s (no XPU or caching allocator
-here): these tests prove when the pool is in use and what is routed where, not where the allocator puts memory."""
+"""Pool mode: the switch, the worker's request pool, what it refuses, and its collectives, torch's own on every
+rank, with the plain collectives as the oracle. The pool API is the CPU test platform's stand-in for
+``torch.xpu``'s (no XPU or caching allocator here): these tests prove when the pool is in use, on which device, and
+what reaches the backend, not where the allocator puts memory."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ from vllm_omni.distributed import request_pool
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
 
 WORLD = 4
+CPU = torch.device("cpu")
 
 
 @pytest.fixture
 def pool():
-    return request_pool.RequestPool(mem_pool)
+    return request_pool.RequestPool(mem_pool, CPU)
 
 
 def test_the_switch_takes_pool_and_names_it_among_the_values_it_expects(monkeypatch):
@@ -36,12 +38,11 @@ def test_the_switch_takes_pool_and_names_it_among_the_values_it_expects(monkeypa
         pc.switch_mode()
 
 
-def test_pool_mode_picks_the_pooled_collectives_on_any_platform_and_auto_stays_staging(monkeypatch):
+def test_pool_mode_picks_torchs_own_collectives_on_any_platform_and_auto_stays_staging(monkeypatch):
     monkeypatch.setenv(pc.SWITCH_ENV, "pool")
-    chosen = pc.collectives_for("xpu")
-    assert chosen.staged and chosen.pooled and pc.collectives_for("cpu") is chosen
+    assert not pc.collectives_for("xpu").staged and not pc.collectives_for("cpu").staged
     monkeypatch.setenv(pc.SWITCH_ENV, "auto")
-    assert not pc.collectives_for("xpu").pooled and pc.collectives_for("xpu").staged
+    assert pc.collectives_for("xpu").staged
 
 
 def test_pool_mode_refuses_a_torch_whose_device_module_has_no_mem_pool_naming_the_version():
@@ -56,15 +57,26 @@ def test_on_xpu_the_pool_is_torch_xpus_own_and_a_platform_may_name_another():
     assert request_pool.pool_api(platform) is mem_pool
 
 
-def test_the_pool_holds_what_a_request_makes_and_nothing_made_before_it(pool):
-    weight = torch.randn(64)
+@pytest.mark.parametrize("name", ["PYTORCH_ALLOC_CONF", "PYTORCH_XPU_ALLOC_CONF"])
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "max_split_size_mb:64, expandable_segments:true"])
+def test_expandable_segments_are_refused_naming_the_variable_its_value_and_what_to_set(name, conf):
+    message = rf"^{name}='{re.escape(conf)}' turns on expandable segments.*remove expandable_segments:True from {name}"
+    with pytest.raises(ValueError, match=message):
+        request_pool.refuse_expandable_segments("xpu", {name: conf})
+
+
+@pytest.mark.parametrize(
+    "environ",
+    [{}, {"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}],
+)
+def test_an_allocator_without_expandable_segments_on_this_device_is_accepted(environ):
+    request_pool.refuse_expandable_segments("xpu", environ)  # CUDA's variable is not the XPU allocator's
+
+
+def test_the_pool_is_entered_on_the_device_it_was_made_for_never_the_current_one(pool):
     with pool.request():
-        activation = torch.randn(256)
-        kept = torch.randn(8)  # outlives the request, as a workspace made in it does
-        assert pool.active and pool.holds(activation) and not pool.holds(weight)
-    with pool.request():
-        assert pool.holds(kept) and not pool.holds(weight)  # the pool keeps its segments across requests
-    assert not pool.active and pool.requests == 2
+        assert pool.active
+    assert pool._pool.devices == [CPU] and pool.requests == 1
 
 
 def test_an_exception_inside_a_request_leaves_the_pool_context_closed_and_the_next_request_enters_it(pool):
@@ -82,22 +94,15 @@ def test_an_entry_point_called_from_another_enters_the_pool_once(pool):
     assert pool.requests == 1 and not pool.active
 
 
-def test_without_a_running_request_nothing_counts_as_the_pools(pool, monkeypatch):
-    monkeypatch.setattr(request_pool, "_worker", pool)
-    with pool.request():
-        made = torch.randn(4)
-        assert request_pool.holds_all([made]) and request_pool.holds_all([])
-    assert not request_pool.holds_all([made]) and not request_pool.holds_all([])
-
-
 def test_the_worker_pool_is_made_once_and_outside_pool_mode_requests_run_in_no_pool(monkeypatch):
     monkeypatch.setattr(request_pool, "_worker", None)
     with request_pool.request_memory():
         assert request_pool.worker_pool() is None
-    platform = types.SimpleNamespace(device_type="cpu", mem_pool_api=lambda: mem_pool)
+    platform = types.SimpleNamespace(device_type="cpu", mem_pool_api=lambda: mem_pool, get_torch_device=lambda: CPU)
     made = mem_pool.MemPool.made
-    first = request_pool.open_worker_pool(platform)
-    assert request_pool.open_worker_pool(platform) is first and mem_pool.MemPool.made == made + 1
+    first = request_pool.open_worker_pool(platform)  # the platform's current device, as the worker sets it
+    assert request_pool.open_worker_pool(platform, "cpu") is first and mem_pool.MemPool.made == made + 1
+    assert first.device == CPU
 
 
 @pytest.fixture(scope="module")
@@ -105,29 +110,21 @@ def reports():
     return results_or_raise(run_ranks(pool_ranks.checks, WORLD, timeout_s=600), WORLD)
 
 
-def test_in_a_request_tensors_it_made_go_to_torch_unstaged_with_the_plain_bits(reports):
+@pytest.mark.parametrize("run", ["in_request", "outside_request", "in_request_again"])
+def test_ranks_that_disagree_on_where_a_tensor_lives_run_the_same_wire_collectives_with_plains_bits(reports, run):
+    # Rank 0 hands over the request's tensors, the others tensors made before it; every call is three times the cap.
+    assert all(report[run]["equal"] for report in reports)
+    assert len({tuple(report[run]["calls"]) for report in reports}) == 1, [r[run]["calls"] for r in reports]
+    assert len(reports[0][run]["calls"]) == 7  # one backend call per collective: nothing chunked
+
+
+@pytest.mark.parametrize("run", ["in_request", "outside_request", "in_request_again"])
+def test_pool_mode_stages_nothing_makes_no_block_and_never_asks_the_pool_what_it_holds(reports, run):
     for report in reports:
-        for run in ("request_made", "request_made_again"):
-            assert report[run] == {
-                "equal": True,
-                "pooled_calls": pool_ranks.KINDS,
-                "staged_calls": 0,
-                "block_allocations": 0,
-            }
-
-
-def test_in_a_request_tensors_made_before_it_are_staged_with_the_plain_bits(reports):
-    for report in reports:
-        run = report["made_before"]
-        assert run["equal"] and run["staged_calls"] == pool_ranks.KINDS - 1  # the barrier has no tensor: the pool's
-        assert run["pooled_calls"] == 1 and run["block_allocations"] > 0
-
-
-def test_outside_a_request_every_call_is_staged_as_in_the_default_mode(reports):
-    for report in reports:
-        run = report["outside_request"]
-        assert run["equal"] and run["staged_calls"] == pool_ranks.KINDS and run["pooled_calls"] == 0
+        assert report["snapshots"] == 0
+        stats = report[run]["stats"]
+        assert not report[run]["staged"] and stats["staged_calls"] == stats["blocks"] == stats["staged_bytes"] == 0
 
 
 def test_every_rank_made_one_pool_and_entered_it_for_each_request(reports):
-    assert [(r["pools_made"], r["pool_requests"], r["active_after"]) for r in reports] == [(1, 3, False)] * WORLD
+    assert [(r["pools_made"], r["pool_requests"], r["active_after"]) for r in reports] == [(1, 2, False)] * WORLD

@@ -30,6 +30,9 @@ class StandInXpu:
     def memory_allocated(self, device):
         return 12 * 2**30
 
+    def memory_stats(self, device):
+        return {"reserved_bytes.all.peak": 26 * 2**30, "num_alloc_retries": 3}
+
 
 def test_cpu_has_no_device_figure_and_records_the_process_rss_labelled_as_the_ledgers_cost():
     assert memory.sample_memory(torch.device("cpu")) is None
@@ -55,3 +58,14 @@ def test_xpu_stand_in_census_record_has_used_minus_reserved_beside_reserved_and_
     assert record["device"] == "xpu:0"
     assert (record["non_pytorch_bytes"], record["used_bytes"]) == (14 * 2**30, 34 * 2**30)
     assert (record["reserved_bytes"], record["allocated_bytes"]) == (20 * 2**30, 12 * 2**30)
+
+
+def test_xpu_stand_in_census_record_has_the_peak_the_retries_and_in_pool_mode_the_pools_segments():
+    class Pool:
+        def snapshot(self):
+            return [{"address": 1 << 40, "total_size": 2**30}, {"address": 1 << 41, "total_size": 2**29}]
+
+    record = memory.memory_record(torch.device("xpu", 0), module=StandInXpu(), pool=Pool())
+    assert (record["peak_reserved_bytes"], record["alloc_retries"]) == (26 * 2**30, 3)
+    assert (record["pool_segments"], record["pool_bytes"]) == (2, 3 * 2**29)
+    assert memory.memory_record(torch.device("xpu", 0), module=StandInXpu())["pool_segments"] == 0

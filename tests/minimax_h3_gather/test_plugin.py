@@ -191,11 +191,16 @@ def test_a_bad_block_cap_fails_the_plugin_load_naming_the_value(worker_stack):
     assert "VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB='64MiB' is not valid" in report["error"]
 
 
-def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool) -> dict:
+def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc_conf: str = "") -> dict:
     """A diffusion worker in pool mode, its start-up, load and request entry points stood in for; records whether
-    the worker's pool was in use in each."""
+    the worker's pool was in use in each, and whether anything routes collectives."""
+    import types
+
+    import torch
     from vllm_omni_cpu_test_platform.mem_pool import MemPool
 
+    from minimax_h3_gather import plugin
+    from vllm_omni.diffusion.distributed.group_coordinator import GroupCoordinator
     from vllm_omni.diffusion.worker import diffusion_worker
     from vllm_omni.distributed import persistent_collectives as pc
     from vllm_omni.distributed import request_pool
@@ -225,11 +230,12 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool) -> di
         type(current_omni_platform).mem_pool_api = None
     os.environ.pop("VLLM_PLUGINS", None)
     os.environ[pc.SWITCH_ENV] = "pool"
+    os.environ["PYTORCH_ALLOC_CONF"] = alloc_conf
     load_omni_general_plugins()
-    this = object()
+    this = types.SimpleNamespace(device=torch.device("cpu"))  # what the worker's own init_device sets
     try:
         worker.init_device(this)
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:
         return {"error": str(error)}
     worker.load_model(this)
     worker.execute_model(this, None)
@@ -237,7 +243,14 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool) -> di
         worker.execute_model(this, None, fail=True)
     worker.execute_model_batch(this, None, None)
     pool = request_pool.worker_pool()
-    return {"seen": seen, "entries": pool._pool.entries, "pools_made": MemPool.made, "active_after": pool.active}
+    return {
+        "seen": seen,
+        "entries": pool._pool.entries,
+        "pools_made": MemPool.made,
+        "active_after": pool.active,
+        "routed": plugin._request_path_hook is not None or GroupCoordinator.all_reduce is pc.coordinator_all_reduce,
+        "collectives": type(pc.platform_collectives()).__name__ + str(pc.platform_collectives().staged),
+    }
 
 
 def test_pool_mode_opens_one_pool_after_start_up_and_runs_every_request_entry_point_in_it_but_not_the_load(
@@ -256,6 +269,8 @@ def test_pool_mode_opens_one_pool_after_start_up_and_runs_every_request_entry_po
         "entries": 3,  # the nested entry point does not enter again
         "pools_made": 1,
         "active_after": False,
+        "routed": False,  # no module rebound, the coordinator as released
+        "collectives": "CollectivesFalse",  # and the platform's are torch's own, unstaged
     }
 
 
@@ -266,6 +281,15 @@ def test_pool_mode_on_a_platform_whose_torch_has_no_mem_pool_fails_the_workers_s
 
     (report,) = results_or_raise(run_ranks(_pool_mode_in_a_worker, 1, False), 1)
     assert f"torch.cpu.MemPool and use_mem_pool, which torch {torch.__version__} does not have" in report["error"]
+
+
+def test_pool_mode_with_expandable_segments_fails_the_workers_start_up_naming_the_variable_and_its_value(
+    worker_stack,
+):
+    conf = "garbage_collection_threshold:0.6,expandable_segments:True"
+    (report,) = results_or_raise(run_ranks(_pool_mode_in_a_worker, 1, True, conf), 1)
+    assert report["error"].startswith(f"PYTORCH_ALLOC_CONF={conf!r} turns on expandable segments"), report
+    assert "remove expandable_segments:True from PYTORCH_ALLOC_CONF" in report["error"]
 
 
 _NOT_A_WORKER_PROCESS = """

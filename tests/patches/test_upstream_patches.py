@@ -96,12 +96,13 @@ def test_each_patch_adds_at_most_360_non_test_lines_so_it_reads_in_one_sitting(i
     assert 0 < _added_non_test_lines(upstream_patches.patch_files()[index]) <= 360
 
 
-def test_there_are_eight_patches_vae_whole_request_cost_contract_modules_and_kinds_errors_pool_then_order():
+def test_there_are_nine_patches_vae_whole_request_cost_contract_modules_kinds_errors_pool_order_pool_alone():
     names = [patch.name for patch in upstream_patches.patch_files()]
-    assert [name[:4] for name in names] == [f"{index:04d}" for index in range(1, 9)]
+    assert [name[:4] for name in names] == [f"{index:04d}" for index in range(1, 10)]
     assert "MiniMax-H3" in names[0] and "request-path" in names[1] and "Persistent-collectives-at-the-cost" in names[2]
     assert "Every-diffusion-module" in names[3] and "Stage-every-collective-kind" in names[4]
     assert "an-error-frees-its-bl" in names[5] and "Pool-mode" in names[6] and "program-order" in names[7]
+    assert "Pool-mode-on-its-own" in names[8]
 
 
 @pytest.mark.parametrize("relative", upstream_patches.CARRIED)

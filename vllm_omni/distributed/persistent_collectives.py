@@ -33,7 +33,7 @@ _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
 
 def switch_mode() -> str:
     """``VLLM_OMNI_PERSISTENT_COLLECTIVES``: ``auto`` (default: staged on XPU only), ``1`` (staged on any device),
-    ``pool`` (each request in a private memory pool; staged only off it) or ``0``."""
+    ``pool`` (each request in a private memory pool, ``request_pool``; nothing staged) or ``0``."""
     value = (raw := os.environ.get(SWITCH_ENV, "auto")).strip().lower()
     if value not in ("auto", "1", request_pool.POOL_MODE, "0"):
         raise ValueError(f"{SWITCH_ENV}={raw!r} is not valid; expected one of 'auto', '1', 'pool' or '0'")
@@ -187,19 +187,17 @@ def _per_device(table: weakref.WeakKeyDictionary, group: Any) -> dict:
 
 
 class Collectives:
-    """Synchronous collectives whose results land in the caller's tensors; ``persistent`` stages them in blocks,
-    and ``pooled`` only those of tensors a running request's pool does not hold.
+    """Synchronous collectives whose results land in the caller's tensors; ``persistent`` stages them in blocks.
 
     A rank that cannot get its block (no memory, or in use) runs the same collectives on its own tensors: the wire
     collectives are the same, so its peers never notice. Each such collective is logged once.
     """
 
-    def __init__(self, persistent: bool, pooled: bool = False) -> None:
-        self.staged, self.pooled = persistent, pooled
+    def __init__(self, persistent: bool) -> None:
+        self.staged = persistent
         self._blocks: weakref.WeakKeyDictionary[Any, dict[torch.device, GrowOnlyBlock]] = weakref.WeakKeyDictionary()
         self._batches: weakref.WeakKeyDictionary[Any, dict[torch.device, list]] = weakref.WeakKeyDictionary()
         self.staged_calls = self.chunked_calls = self.fallbacks = self.payload_bytes = self.staged_bytes = 0
-        self.pooled_calls = 0  # run as torch's own on the pool's memory
         self._last: tuple[Any, torch.device, GrowOnlyBlock] | None = None  # the last lookup, most calls' next
         self._logged: set[str] = set()
 
@@ -211,18 +209,9 @@ class Collectives:
     def stats(self) -> dict[str, int]:
         blocks = self.blocks()
         counts = {"staged_calls": self.staged_calls, "chunked_calls": self.chunked_calls, "fallbacks": self.fallbacks}
-        counts["pooled_calls"] = self.pooled_calls
         traffic = {"payload_bytes": self.payload_bytes, "staged_bytes": self.staged_bytes}
         resident = {"block_allocations": sum(b.allocs for b in blocks), "resident_bytes": sum(b.nbytes for b in blocks)}
         return {**counts, **traffic, "blocks": len(blocks), **resident, "block_cap_bytes": block_cap()}
-
-    def _stages(self, *tensors: torch.Tensor) -> bool:
-        if not self.staged:
-            return False
-        if self.pooled and request_pool.holds_all(tensors):
-            self.pooled_calls += 1
-            return False
-        return True
 
     def _once(self, key: str, message: str, *args: Any) -> None:
         if key not in self._logged:
@@ -293,7 +282,7 @@ class Collectives:
     def all_reduce(self, tensor: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
         """In place, in the tensor's own memory order, as the backend reduces it."""
         plain = group is _NON_MEMBER or tensor.requires_grad or (strides := _layout(tensor)) is None
-        if plain or not self._stages(tensor):
+        if plain or not self.staged:
             dist.all_reduce(tensor, op=op, group=group)  # a gapped tensor fails or passes exactly as it would
             return tensor
         self.payload_bytes += tensor.nbytes
@@ -320,7 +309,7 @@ class Collectives:
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> torch.Tensor:
         """From global rank ``src``, in place."""
         plain = group is _NON_MEMBER or not tensor.numel() or tensor.requires_grad or _layout(tensor) is None
-        if plain or not self._stages(tensor):
+        if plain or not self.staged:
             dist.broadcast(tensor, src=src, group=group)
             return tensor
         self.payload_bytes += tensor.nbytes
@@ -335,7 +324,7 @@ class Collectives:
         listed = isinstance(output, list)
         world = None if group is _NON_MEMBER else dist.get_world_size(group)
         plain = world is None or not input.numel() or not _gathers_into(output, input, world)
-        if plain or not self._stages(input, *(output if listed else [output])):
+        if plain or not self.staged:
             dist.all_gather(output, input, group=group) if listed else dist.all_gather_single(
                 output, input, group=group
             )
@@ -372,7 +361,7 @@ class Collectives:
         splits = (output_split_sizes, input_split_sizes)
         plain = group is _NON_MEMBER or not _writable(output, input)
         plain = plain or not _splits_fit(output, input, *splits, dist.get_world_size(group))
-        if plain or not self._stages(output, input):
+        if plain or not self.staged:
             dist.all_to_all_single(output, input, *splits, group=group)
             return output
         self.payload_bytes += input.nbytes + output.nbytes
@@ -426,7 +415,7 @@ class Collectives:
 
     def reduce_scatter_tensor(self, output, input, group, op=dist.ReduceOp.SUM):
         """Contiguous tensors; staged whole, as chunks would change a floating-point sum's bits."""
-        if group is _NON_MEMBER or not _writable(output, input) or not self._stages(output, input):
+        if group is _NON_MEMBER or not _writable(output, input) or not self.staged:
             dist.reduce_scatter_tensor(output, input, op=op, group=group)
             return output
         self.payload_bytes += input.nbytes
@@ -435,7 +424,7 @@ class Collectives:
 
     def barrier(self, group: Any, device: torch.device) -> None:
         """Staged, an all-reduce of a persistent element and a device sync (XCCL's barrier makes a new element)."""
-        if group is _NON_MEMBER or not self._stages():
+        if group is _NON_MEMBER or not self.staged:
             dist.barrier(group=group)
             return
         block = self._acquire("barrier", group, device, ALIGN)
@@ -454,7 +443,7 @@ class Collectives:
         group, device = ops[0].group, ops[0].tensor.device
         guarded = any(op.tensor.requires_grad for op in ops if op.op not in (dist.isend, dist.send))
         plain = group is _NON_MEMBER or group in _control_groups or guarded
-        if plain or not self._stages(*(op.tensor for op in ops)):
+        if plain or not self.staged:
             return dist.batch_isend_irecv(ops)
         sizes = [aligned(op.tensor.nbytes) for op in ops]
         block = self._batch_block(group, device, sum(sizes))
@@ -491,18 +480,17 @@ class Collectives:
 
 
 _PLAIN, _PERSISTENT = Collectives(persistent=False), Collectives(persistent=True)
-_POOLED = Collectives(persistent=True, pooled=True)
 _choices: dict[tuple[str | None, str], Collectives] = {}
 
 
 def collectives_for(device_type: str) -> Collectives:
-    """The process's collectives for a platform of ``device_type``, as the switch says."""
+    """The process's collectives for a platform of ``device_type``, as the switch says (pool mode: torch's own)."""
     key = (os.environ.get(SWITCH_ENV), device_type)
     choice = _choices.get(key)
     if choice is None:
         mode = switch_mode()
         staged = mode == "1" or (mode == "auto" and device_type == "xpu")
-        choice = _choices[key] = _POOLED if mode == request_pool.POOL_MODE else _PERSISTENT if staged else _PLAIN
+        choice = _choices[key] = _PERSISTENT if staged else _PLAIN
         if choice.staged:
             block_cap()  # a bad cap is an error where it would be used, before the first collective
     return choice

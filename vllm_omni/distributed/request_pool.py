@@ -3,16 +3,17 @@
 """Pool mode (``VLLM_OMNI_PERSISTENT_COLLECTIVES=pool``): a diffusion worker runs every request inside one private
 memory pool that lives as long as the worker. ``empty_cache()`` and the allocator's retry after an out-of-memory
 error release only the default pool and pools no longer alive, so what a request hands a collective sits in segments
-the backend has seen before, and the collective needs no copy. Tensors from outside the pool are staged as usual.
+the backend has seen before. Collectives stay torch's own: nothing is copied, routed or asked where a tensor lives.
 
 One pool for all components: they run one after another, so the pool holds the largest working set, and what
-offload frees in one component the next reuses inside the pool. Only the request's thread allocates in it.
+offload frees in one component the next reuses inside the pool. Only the request's thread allocates in it, and a
+freed block is reused only on the stream that made it.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
+import os
 from typing import Any
 
 import torch
@@ -36,13 +37,25 @@ def pool_api(platform: Any) -> Any:
     return api
 
 
-class RequestPool:
-    """The worker's pool; ``holds`` tells the tensors carved from its segments from all others."""
+def refuse_expandable_segments(device_type: str, environ: Any = os.environ) -> None:
+    """Pool mode needs segments that keep their memory: with expandable segments a pool is one reservation whose
+    pages are unmapped and later mapped again at the same address onto other memory (a stale registration for
+    oneCCL), and the allocator supports no IPC on them. Reads what ``device_type``'s allocator reads."""
+    for name in ("PYTORCH_ALLOC_CONF", f"PYTORCH_{device_type.upper()}_ALLOC_CONF"):
+        raw = environ.get(name, "")
+        options = dict(item.partition(":")[::2] for item in raw.replace(" ", "").split(",") if item)
+        if options.get("expandable_segments", "").lower() == "true":
+            raise ValueError(
+                f"{name}={raw!r} turns on expandable segments, which VLLM_OMNI_PERSISTENT_COLLECTIVES=pool cannot "
+                f"use; remove expandable_segments:True from {name}, or use VLLM_OMNI_PERSISTENT_COLLECTIVES=auto"
+            )
 
-    def __init__(self, api: Any) -> None:
-        self._api, self._pool = api, api.MemPool()
-        self._starts: list[int] = []  # the pool's segments as they last stood, sorted by address
-        self._ends: list[int] = []
+
+class RequestPool:
+    """The worker's pool on its device, entered around each request."""
+
+    def __init__(self, api: Any, device: torch.device) -> None:
+        self._api, self.device, self._pool = api, device, api.MemPool()
         self._depth = 0
         self.requests = 0
 
@@ -50,42 +63,40 @@ class RequestPool:
     def active(self) -> bool:
         return self._depth > 0
 
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The pool's segments (``address``, ``total_size`` ...), as the allocator reports them: for diagnostics."""
+        return self._pool.snapshot()
+
     @contextlib.contextmanager
     def request(self):
         if self._depth:  # an entry point called from another: the outer one's pool is in use
             yield
             return
-        with self._api.use_mem_pool(self._pool):
+        # The device named: entered on another, the allocator would make a second pool there, freed at exit.
+        with self._api.use_mem_pool(self._pool, device=self.device):
             self._depth, self.requests = 1, self.requests + 1
             try:
                 yield
             finally:
                 self._depth = 0
 
-    def holds(self, tensor: torch.Tensor) -> bool:
-        address = tensor.untyped_storage().data_ptr()
-        return self._within(address) or (self._refresh() and self._within(address))
-
-    def _within(self, address: int) -> bool:
-        index = bisect.bisect_right(self._starts, address) - 1
-        return index >= 0 and address < self._ends[index]
-
-    def _refresh(self) -> bool:
-        """The pool's segments now: they only grow while the pool lives, so a cached one stays the pool's."""
-        segments = sorted((s["address"], s["address"] + s["total_size"]) for s in self._pool.snapshot())
-        self._starts, self._ends = [start for start, _ in segments], [end for _, end in segments]
-        return True
-
 
 _worker: RequestPool | None = None
 
 
-def open_worker_pool(platform: Any) -> RequestPool:
-    """This diffusion worker's pool, made once, after its device is set and before its model loads."""
+def open_worker_pool(platform: Any, device: torch.device | str | None = None) -> RequestPool:
+    """This diffusion worker's pool on ``device`` (default: the platform's current one), made once, after the device
+    is set and before the model loads; refuses, alike on every rank, what the pool cannot work with."""
     global _worker
     if _worker is None:
-        _worker = RequestPool(pool_api(platform))
-        logger.info("[PERSISTENT_COLLECTIVES] each request of this worker allocates in one private memory pool")
+        device = torch.device(device if device is not None else platform.get_torch_device())
+        refuse_expandable_segments(device.type)
+        api = pool_api(platform)
+        if device.index is None and device.type != "cpu":
+            device = torch.device(device.type, api.current_device())
+        _worker = RequestPool(api, device)
+        logger.info("[PERSISTENT_COLLECTIVES] each request of this worker allocates in one private memory pool (%s)",
+                    device)  # fmt: skip
     return _worker
 
 
@@ -96,9 +107,3 @@ def worker_pool() -> RequestPool | None:
 def request_memory() -> contextlib.AbstractContextManager:
     """Around a request's forward: its allocations in the worker's pool, where pool mode opened one."""
     return _worker.request() if _worker is not None else contextlib.nullcontext()
-
-
-def holds_all(tensors: Any) -> bool:
-    """Whether a request is running in the pool and every one of ``tensors`` is carved from it."""
-    pool = _worker
-    return pool is not None and pool.active and all(pool.holds(t) for t in tensors)
