@@ -731,6 +731,7 @@ def main(argv: list[str] | None = None) -> int:
             offload=args.offload,
         )
     runs = {name: runs[name] for name in RUNS if name in runs}
+    groups = media_groups(runs)
     # The projection's formula is the synthetic MiniMax-H3 pipeline's, under TP.
     synthetic_tp = args.layout == "tp" and args.model is None and args.pipeline == "minimax_h3"
     summary = {
@@ -749,10 +750,8 @@ def main(argv: list[str] | None = None) -> int:
         },
         "versions": {p: version(p) for p in ("torch", "vllm-omni")},
         "runs": runs,
-        "media_identical": all(
-            len({tuple(runs[name]["media_sha256"]) for name in group}) == 1 for group in media_groups(runs)
-        ),  # fmt: skip
-        "media_groups": media_groups(runs),
+        "media_identical": all(len({tuple(runs[name]["media_sha256"]) for name in group}) == 1 for group in groups),
+        "media_groups": groups,
         "compile": compile_summary(runs),
         "unmanaged_sites": unmanaged_sites(runs),
         "memory_growth": memory_growth(runs),
