@@ -1,13 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Address-stable tile gather for the MiniMax-H3 video VAE, installable over a released vLLM-Omni.
+"""The whole-request fix for device memory that grows every request when vLLM-Omni serves diffusion models on XPU.
 
-``vllm_omni/diffusion/models/minimax_h3/vae_gather.py`` and the persistent-collectives layer in
-``vllm_omni/distributed/`` are laid out exactly where upstream keeps them, with no ``__init__.py`` of ours on
-the way, so ``pip install .`` drops them into the installed vLLM-Omni package. ``minimax_h3_gather`` holds the
-rest of what an operator runs: the plugin that calls the fixes from the released vLLM-Omni, and the collective
-census. The reproducer's tooling
-(``minimax_h3_bench``) and the tests are not installed.
+``vllm_omni/diffusion/models/minimax_h3/vae_gather.py`` and the collectives' layer in ``vllm_omni/distributed/``
+are laid out exactly where upstream keeps them, with no ``__init__.py`` of ours on the way, so ``pip install .``
+drops them into the installed vLLM-Omni package. ``xpu_collective_memory`` holds the rest of what an operator runs:
+the plugin that applies the fix to a released vLLM-Omni, the reach check and the collective census. The tooling,
+the benchmarks and the tests are not installed.
 """
 
 from pathlib import Path
@@ -23,21 +22,27 @@ def _requirements(name: str) -> list[str]:
 
 
 setup(
-    name="minimax-h3-vae-gather",
-    version="0.11.0",
-    description="Address-stable tile gather for the MiniMax-H3 video VAE in vLLM-Omni (XPU memory-leak fix)",
+    name="vllm-omni-xpu-collective-memory",
+    version="0.12.0",
+    description=(
+        "vLLM-Omni diffusion serving on Intel XPU without device memory growing every request: collectives' "
+        "buffers that stay put (persistent blocks or one memory pool per worker), MiniMax-H3's VAE tile gather first"
+    ),
     long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10,<3.14",
     packages=find_namespace_packages(
-        include=["vllm_omni.diffusion.models.minimax_h3", "vllm_omni.distributed", "minimax_h3_gather"]
+        include=["vllm_omni.diffusion.models.minimax_h3", "vllm_omni.distributed", "xpu_collective_memory"]
     ),
     install_requires=_requirements("common.txt"),
     entry_points={
         "vllm_omni.general_plugins": [
-            "minimax_h3_vae_gather = minimax_h3_gather.plugin:register",
-            "minimax_h3_census = minimax_h3_gather.census:register",
+            "xpu_collective_memory = xpu_collective_memory.plugin:register",
+            "xpu_collective_census = xpu_collective_memory.census:register",
+            # The names before 0.12.0, honoured until 0.13.0 with a warning (xpu_collective_memory/renamed.py).
+            "minimax_h3_vae_gather = xpu_collective_memory.plugin:register_minimax_h3_vae_gather",
+            "minimax_h3_census = xpu_collective_memory.census:register_minimax_h3_census",
         ],
     },
 )

@@ -5,7 +5,7 @@
 Every rank loads the released MiniMaxH3VideoVAE adapter on the synthetic checkpoint three times, one per
 strategy (``checkpoint``, ``recv-only``, ``ours``), and serves ``--requests`` identical decodes on each,
 in rotating order, each request ending in the adapter's offload as model-level offload does. A
-collective ledger (a model of oneCCL's registrations, see ``minimax_h3_gather.ledger``) counts the new
+collective ledger (a model of oneCCL's registrations, see ``xpu_collective_memory.ledger``) counts the new
 allocations each strategy hands the collectives; with ``--device xpu`` each rank also samples its card's
 memory before and after every request. A micro-benchmark then times the gathers alone, interleaved.
 
@@ -30,9 +30,9 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from minimax_h3_bench import devices, report, stats
-from minimax_h3_bench.ranks import results_or_raise, run_ranks
-from minimax_h3_bench.strategies import STRATEGIES
+from benchmarks import devices, report, stats
+from benchmarks.vae_gather_strategies import STRATEGIES
+from tests.distributed.ranks import results_or_raise, run_ranks
 
 MIB = 1024 * 1024
 
@@ -101,8 +101,8 @@ def _rotated(strategies: tuple[str, ...], turn: int) -> tuple[str, ...]:
 
 def _adapters(world: int, cfg: Config, device) -> dict[str, tuple[Any, Any]]:
     """One released adapter per strategy, with the strategy installed: ``{name: (vae, stats source)}``."""
-    from minimax_h3_bench import harness
-    from minimax_h3_bench.strategies import install_strategy
+    from benchmarks.vae_gather_strategies import install_strategy
+    from tooling import harness
 
     adapters = {}
     for name in cfg.strategies:
@@ -113,8 +113,8 @@ def _adapters(world: int, cfg: Config, device) -> dict[str, tuple[Any, Any]]:
 
 
 def _serve_requests(rank: int, world: int, cfg: Config, device) -> dict[str, Any]:
-    from minimax_h3_bench import harness
-    from minimax_h3_gather.ledger import CollectiveLedger
+    from tooling import harness
+    from xpu_collective_memory.ledger import CollectiveLedger
 
     adapters, stats_of, timers, ledgers = {}, {}, {}, {}
     for name, (vae, source) in _adapters(world, cfg, device).items():
@@ -198,7 +198,7 @@ def _time_gathers(rank: int, world: int, cfg: Config, device) -> dict[str, dict[
 def _bench_rank(rank: int, world: int, cfg: Config) -> dict[str, Any]:
     import torch
 
-    from minimax_h3_bench import harness
+    from tooling import harness
 
     torch.set_num_threads(cfg.threads_per_rank)
     device = devices.rank_device(cfg.device, rank)
@@ -399,7 +399,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from minimax_h3_bench.synthetic import build_synthetic_checkpoint
+    from tooling.synthetic import build_synthetic_checkpoint
 
     cfg = Config(
         component=str(build_synthetic_checkpoint(args.cache_dir)),

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from minimax_h3_bench import stats
-from minimax_h3_bench.ranks import results_or_raise, run_ranks
+from benchmarks import stats
+from tests.distributed.ranks import results_or_raise, run_ranks
 
 SIZES = {"1 KiB": 1 << 10, "64 KiB": 1 << 16, "4 MiB": 1 << 22}
 CALLERS = ("torch", "plain", "staged", "torch_host", "plain_host", "staged_host")

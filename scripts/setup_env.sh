@@ -29,7 +29,7 @@ fi
 # Stamps decide what to redo: the requirements (minutes), then the project itself (seconds).
 reqs_stamp=$(cat "$reqs" requirements/common.txt requirements/bench.txt requirements/test.txt | sha256sum | cut -d' ' -f1)
 project_stamp=$(cat setup.py pyproject.toml README.md \
-  $(find vllm_omni minimax_h3_gather tests/cpu_platform tests/distributed/mem_pool_stand_in.py -not -path '*/build/*' \
+  $(find vllm_omni xpu_collective_memory tests/cpu_platform tests/distributed/mem_pool_stand_in.py -not -path '*/build/*' \
     \( -name '*.py' -o -name '*.toml' -o -name '*.pth' \) | LC_ALL=C sort) \
   | sha256sum | cut -d' ' -f1)
 stamp_of() { cat "$venv/.stamp-$1" 2>/dev/null || true; }
@@ -49,7 +49,9 @@ if [ "$(stamp_of requirements)" != "$reqs_stamp" ]; then
   echo "$reqs_stamp" > "$venv/.stamp-requirements"
 fi
 
-# Our modules land inside the installed vllm-omni package, and the plugin entry point is registered.
+# Our modules land inside the installed vllm-omni package, and the plugin entry point is registered. The
+# distribution's name before 0.12.0 goes first: its plugin would hook the workers a second time.
+"${pip[@]}" uninstall -q -y minimax-h3-vae-gather 2>/dev/null || true
 "${pip[@]}" install -q --no-deps --force-reinstall .
 # Test-only: the CPU platform for vLLM-Omni (tests/cpu_platform), which the product never installs. It stays
 # inert unless VLLM_OMNI_CPU_TEST_PLATFORM=1 on a machine without an accelerator.

@@ -8,10 +8,9 @@ import os
 import sys
 from pathlib import Path
 
-from minimax_h3_bench.upstream_patches import TREE_ENV
-
 # Re-exported; spawned ranks put the working tree first through the runner's PREPARE, which tests/conftest.py sets.
 from tests.distributed.ranks import results_or_raise, run_ranks  # noqa: F401
+from tooling.upstream_patches import TREE_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = REPO_ROOT / "vllm_omni" / "diffusion" / "models" / "minimax_h3"
@@ -23,7 +22,7 @@ def use_working_tree() -> None:
 
     With a released vLLM-Omni installed, its ``minimax_h3`` is a regular package and our folder (no
     ``__init__.py``, by design) is ignored; putting the folder first on the package's ``__path__`` fixes that.
-    With ``VLLM_OMNI_H3_UPSTREAM_TREE`` set, the code under test is that patched vLLM-Omni tree instead.
+    With ``VLLM_OMNI_TEST_UPSTREAM_TREE`` set, the code under test is that patched vLLM-Omni tree instead.
     """
     if str(REPO_ROOT) not in sys.path:
         sys.path.insert(0, str(REPO_ROOT))

@@ -20,7 +20,7 @@ def coordinator(rank: int, world: int) -> Any:
     from vllm_omni.platforms import interface
 
     if group_coordinator.GroupCoordinator.all_reduce is not pc.coordinator_all_reduce:  # a release, not patch 0002
-        from minimax_h3_gather import request_path
+        from xpu_collective_memory import request_path
 
         assert request_path.hook_coordinator(group_coordinator) and request_path.hook_platform(interface)
     return group_coordinator.GroupCoordinator([list(range(world))], rank, "gloo")

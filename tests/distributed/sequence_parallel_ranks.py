@@ -21,7 +21,7 @@ def _comm() -> Any:
     from vllm_omni.distributed import managed_distributed
 
     if comm.dist is not managed_distributed:  # a release, not patch 0002
-        from minimax_h3_gather import request_path
+        from xpu_collective_memory import request_path
 
         assert request_path.rebind_module(comm)
     return comm

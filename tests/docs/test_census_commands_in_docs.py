@@ -9,13 +9,13 @@ import shlex
 
 import pytest
 
-from benchmarks.minimax_h3_pipeline_census import build_parser
+from benchmarks.pipeline_census import build_parser
 from tests.docs.test_serve_commands_in_docs import DOCS
 from tests.utils import REPO_ROOT
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu]
 
-MODULE = "benchmarks.minimax_h3_pipeline_census"
+MODULE = "benchmarks.pipeline_census"
 
 
 def census_commands() -> list[tuple[str, list[str]]]:

@@ -12,11 +12,12 @@ must be byte-identical to the run with both off.
 from __future__ import annotations
 
 import os
+from importlib.metadata import version
 
 import pytest
 
-from minimax_h3_bench import serve_cpu
-from minimax_h3_bench.synthetic.pipeline import GATHERS_PER_REQUEST, REQUEST, build_synthetic_pipeline
+from tooling import serve_cpu, upstream_patches
+from tooling.synthetic.pipeline import GATHERS_PER_REQUEST, REQUEST, build_synthetic_pipeline
 
 pytestmark = [
     pytest.mark.advanced_model,
@@ -24,11 +25,17 @@ pytestmark = [
     pytest.mark.diffusion,
     pytest.mark.distributed,
     pytest.mark.integration,
+    # Each release serves this pipeline with the plugin once: 0.28.0 here, 0.30.0 in the census's five runs
+    # (tests/benchmarks/test_pipeline_census_minimax_h3.py); the patched 0.30.0 tree serves it here, plugin off.
+    pytest.mark.skipif(
+        version("vllm-omni") == upstream_patches.RELEASE and upstream_patches.TREE_ENV not in os.environ,
+        reason="on 0.30.0 the MiniMax-H3 census serves it with the plugin, the patched tree without",
+    ),
 ]
 
 # The upstream patches' check filters this project's plugin out: then the adapter's own call must install the fix.
 _PLUGINS = os.environ.get("VLLM_PLUGINS")
-PLUGIN_HOOKS = serve_cpu.WORLD + 1 if _PLUGINS is None or "minimax_h3_vae_gather" in _PLUGINS.split(",") else 0
+PLUGIN_HOOKS = serve_cpu.WORLD + 1 if _PLUGINS is None or "xpu_collective_memory" in _PLUGINS.split(",") else 0
 PROMPTS = ("a red fox running through fresh snow", "waves breaking on a rocky shore", "a paper boat in the rain")
 
 

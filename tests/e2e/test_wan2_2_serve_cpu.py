@@ -4,8 +4,8 @@
 
 The released vLLM-Omni's own server and ``Wan22Pipeline``, Ulysses 4, VAE tile parallel 4, model-level offload,
 the DiT compiled; the persistent collectives switched on as ``auto`` switches them on XPU. CI serves it in
-patch 0002's tree with the plugin off (``python -m minimax_h3_bench.upstream_patches test``); on a release the
-Wan2.2 census (``tests/benchmarks/test_wan2_2_pipeline_census.py``) serves it with the plugin, fix off and on,
+patch 0002's tree with the plugin off (``python -m tooling.upstream_patches test``); on a release the
+Wan2.2 census (``tests/benchmarks/test_pipeline_census_wan2_2.py``) serves it with the plugin, fix off and on,
 and checks media identity and that no fresh buffer reaches the backend from request 2 on.
 """
 
@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from minimax_h3_bench import serve_cpu, upstream_patches
-from minimax_h3_bench.synthetic.wan2_2 import REQUEST, build_synthetic_wan2_2
+from tooling import serve_cpu, upstream_patches
+from tooling.synthetic.wan2_2 import REQUEST, build_synthetic_wan2_2
 
 pytestmark = [
     pytest.mark.advanced_model,

@@ -13,9 +13,9 @@ from importlib.metadata import version
 
 import pytest
 
-from minimax_h3_bench import upstream_patches
-from minimax_h3_gather import reach
 from tests.utils import REPO_ROOT
+from tooling import upstream_patches
+from xpu_collective_memory import reach
 
 pytestmark = [
     pytest.mark.advanced_model,
@@ -107,7 +107,7 @@ def test_there_are_nine_patches_vae_whole_request_cost_contract_modules_kinds_er
 
 @pytest.mark.parametrize("relative", upstream_patches.CARRIED)
 def test_the_patch_carries_this_checkouts_file_as_it_is_now(patched, relative):
-    # A change here that is not in the patch: python -m minimax_h3_bench.upstream_patches regenerate
+    # A change here that is not in the patch: python -m tooling.upstream_patches regenerate
     assert (patched / relative).read_bytes() == (REPO_ROOT / relative).read_bytes(), relative
 
 

@@ -95,7 +95,7 @@ def open_worker_pool(platform: Any, device: torch.device | str | None = None) ->
         if device.index is None and device.type != "cpu":
             device = torch.device(device.type, api.current_device())
         _worker = RequestPool(api, device)
-        logger.info("[PERSISTENT_COLLECTIVES] each request of this worker allocates in one private memory pool (%s)",
+        logger.info("[REQUEST_POOL] each request of this worker allocates in one private memory pool (%s)",
                     device)  # fmt: skip
     return _worker
 

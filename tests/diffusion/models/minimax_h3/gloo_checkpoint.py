@@ -14,7 +14,7 @@ def checkpoint_on_gloo_rank(rank: int, world: int):
 
     import torch.distributed as dist
 
-    from minimax_h3_bench.synthetic.remote_code import klvae, parallel
+    from tooling.synthetic.remote_code import klvae, parallel
 
     checkpoint = klvae.AutoencoderKL(4, 8, 8, 4, 2, 64, 16, True)
     parallel.get_parallel_state().update(

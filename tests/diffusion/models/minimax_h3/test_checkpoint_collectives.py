@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from minimax_h3_bench.synthetic import build_synthetic_checkpoint
 from tests.utils import results_or_raise, run_ranks
+from tooling.synthetic import build_synthetic_checkpoint
 
 pytestmark = [
     pytest.mark.core_model,
@@ -31,8 +31,8 @@ def _decode_twice(rank: int, world: int, component: str) -> dict:
 
     import torch.distributed as dist
 
-    from minimax_h3_bench import harness
     from tests.distributed.collective_ranks import BackendRecorder
+    from tooling import harness
     from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV
     from vllm_omni.distributed import managed_distributed
     from vllm_omni.distributed.persistent_collectives import SWITCH_ENV

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from minimax_h3_bench.synthetic import build_synthetic_checkpoint
 from tests.utils import results_or_raise, run_ranks
+from tooling.synthetic import build_synthetic_checkpoint
 
 pytestmark = [
     pytest.mark.core_model,
@@ -35,7 +35,7 @@ def _requests_on_one_rank(rank: int, world: int, component: str) -> dict:
 
     import numpy as np
 
-    from minimax_h3_bench import harness
+    from tooling import harness
     from vllm_omni.diffusion.models.minimax_h3.vae import MiniMaxH3VideoVAE
     from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV, get_tile_gather, remove_tile_gather_reuse
     from vllm_omni.plugins import load_omni_general_plugins

@@ -44,7 +44,7 @@ def _checks_on_one_rank(rank: int, world: int) -> dict:
             oracle = [make_tile(i, shape=TILE_SHAPE, dtype=dtype) for i in range(num_tiles)]
             report["equal_to_oracle"][key] = _equal(got, oracle)
 
-    from minimax_h3_gather.ledger import CollectiveLedger
+    from xpu_collective_memory.ledger import CollectiveLedger
 
     for label, gather in (("ours", ours), ("checkpoint", checkpoints_own)):
         with CollectiveLedger(limit=None) as ledger:  # pins what it sees: freed memory cannot come back

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from minimax_h3_bench.synthetic import build_synthetic_checkpoint
 from tests.utils import results_or_raise, run_ranks
+from tooling.synthetic import build_synthetic_checkpoint
 
 pytestmark = [
     pytest.mark.advanced_model,
@@ -36,9 +36,9 @@ def _soak_on_one_rank(rank: int, world: int, component: str, requests: int) -> d
 
     import torch
 
-    from minimax_h3_bench import harness
-    from minimax_h3_gather.ledger import CollectiveLedger
+    from tooling import harness
     from vllm_omni.diffusion.models.minimax_h3.vae_gather import get_tile_gather, install_tile_gather_reuse
+    from xpu_collective_memory.ledger import CollectiveLedger
 
     def workspace_bytes(world: int, num_tiles: int, tile_shape: tuple[int, ...], dtype) -> int:
         """Written out here, not taken from the code under test: a slot per rank for the largest round-robin

@@ -1,0 +1,226 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""``vllm_omni.general_plugins`` entry point: a released vLLM-Omni gets the whole-request fix where upstream makes it.
+
+Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)`` and
+``scope_checkpoint_collectives(self)``, the platform and the coordinator own the request path's collectives, and
+the diffusion worker runs each request in its pool in pool mode. vLLM-Omni loads this plugin in every process (API
+server, LLM stages, workers of any model), so it only hooks: MiniMax-H3's adapter when its module is loaded, and a
+diffusion worker as it sets up its device. There, with staging (``VLLM_OMNI_PERSISTENT_COLLECTIVES`` ``1``, or
+``auto`` on XPU) it routes the request path's collectives (``request_path``); in pool mode it routes none and runs
+each request entry point in the worker's private pool. Any other process is left untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.machinery
+import inspect
+import sys
+from types import ModuleType
+
+from vllm.logger import init_logger
+
+from .overlay import check_overlay, omni_version
+from .renamed import old_entry_point
+
+# Under vLLM-Omni's logger, so its handlers and level apply: a top-level name would drop the INFO line.
+logger = init_logger(f"vllm_omni.plugins.{__name__}")
+
+ADAPTER_MODULE = "vllm_omni.diffusion.models.minimax_h3.vae"
+WORKER_MODULE = "vllm_omni.diffusion.worker.diffusion_worker"
+_HOOK_MARK = "_minimax_h3_tile_gather_hook"
+_WORKER_MARK = "_persistent_collectives_hook"
+# What the hook relies on: the adapter's setup takes the component path, and the adapter reads the
+# checkpoint's parallel state the way install_tile_gather_reuse expects.
+_EXPECTED_METHODS = ("set_parallel_size", "_native_parallel_state", "offload_to_cpu")
+# The worker's entry points of a request: in pool mode each runs inside the worker's private pool.
+REQUEST_ENTRY_POINTS = ("execute_model", "execute_model_batch", "execute_stepwise")
+_warned = False
+
+
+def _warn_once(reason: str) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        logger.warning(
+            "[XPU_COLLECTIVE_MEMORY] MiniMax-H3's VAE keeps the checkpoint's tile gather: %s (vllm-omni %s)",
+            reason,
+            omni_version(),
+        )
+
+
+def _adapter_class(module: ModuleType) -> tuple[type | None, str | None]:
+    adapter = getattr(module, "MiniMaxH3VideoVAE", None)
+    if not isinstance(adapter, type):
+        return None, f"{ADAPTER_MODULE} has no MiniMaxH3VideoVAE class"
+    missing = [name for name in _EXPECTED_METHODS if not callable(getattr(adapter, name, None))]
+    params = list(inspect.signature(adapter.__init__).parameters)
+    if missing or params[:2] != ["self", "component_path"]:
+        return None, f"MiniMaxH3VideoVAE has another shape (missing {missing}, __init__{tuple(params)})"
+    return adapter, None
+
+
+def hook_adapter(module: ModuleType) -> bool:
+    """Make ``MiniMaxH3VideoVAE.__init__`` end with the install, once; returns whether it is hooked."""
+    adapter, problem = _adapter_class(module)
+    if adapter is None:
+        _warn_once(problem)
+        return False
+    original = adapter.__init__
+    if getattr(original, _HOOK_MARK, False):
+        return True
+
+    from vllm_omni.diffusion.models.minimax_h3 import vae_gather
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        # Not guarded: a checkpoint the fix cannot serve is logged and left alone inside, alike on every rank, but
+        # a rank that fails on its own (a bad switch value, no memory for the 28 KiB header buffer) must not come
+        # up with the checkpoint's gather while its peers run this one; its start-up fails instead.
+        vae_gather.install_tile_gather_reuse(self)
+        vae_gather.scope_checkpoint_collectives(self)
+
+    setattr(__init__, _HOOK_MARK, True)
+    adapter.__init__ = __init__
+    logger.info(
+        "[XPU_COLLECTIVE_MEMORY] hooked %s.%s.__init__ to install the tile gather (vllm-omni %s)",
+        adapter.__module__,
+        adapter.__qualname__,
+        omni_version(),
+    )
+    check_overlay(logger)
+    return True
+
+
+def hook_worker(module: ModuleType) -> bool:
+    """Make ``DiffusionWorker.init_device`` first hook the request path (staging) or end by opening the worker's
+    pool (pool mode, where no collective is routed), and run each request entry point in that pool, once; returns
+    whether it is hooked."""
+    worker = getattr(module, "DiffusionWorker", None)
+    original = getattr(worker, "init_device", None) if isinstance(worker, type) else None
+    if not callable(original):
+        logger.warning("[XPU_COLLECTIVE_MEMORY] found no DiffusionWorker.init_device in %s", WORKER_MODULE)
+        return False
+    if getattr(original, _WORKER_MARK, False):
+        return True
+
+    from vllm_omni.distributed import request_pool
+    from vllm_omni.distributed.persistent_collectives import switch_mode, unstaged
+
+    # Start-up and model load run plain collectives: what they set up keeps no block of its own.
+    plain_init = unstaged()(original)
+
+    @functools.wraps(original)
+    def init_device(self, *args, **kwargs):
+        pooled = switch_mode() == request_pool.POOL_MODE
+        if not pooled:
+            hook_request_path()  # before the process groups exist, so that every coordinator is registered
+        result = plain_init(self, *args, **kwargs)
+        if pooled:  # after the device is set, before anything loads
+            from vllm_omni.platforms import current_omni_platform
+
+            request_pool.open_worker_pool(current_omni_platform, self.device)
+            logger.info("[XPU_COLLECTIVE_MEMORY] pool mode: collectives are torch's own (vllm-omni %s)",
+                        omni_version())  # fmt: skip
+        return result
+
+    setattr(init_device, _WORKER_MARK, True)
+    worker.init_device = init_device
+    load_model = getattr(worker, "load_model", None)
+    if callable(load_model):
+        worker.load_model = unstaged()(load_model)
+    for name in REQUEST_ENTRY_POINTS:
+        if callable(entry := getattr(worker, name, None)):
+            setattr(worker, name, _in_request_memory(entry))
+    return True
+
+
+def _in_request_memory(entry):
+    from vllm_omni.distributed.request_pool import request_memory
+
+    @functools.wraps(entry)
+    def run_in_request_memory(self, *args, **kwargs):
+        with request_memory():
+            return entry(self, *args, **kwargs)
+
+    return run_in_request_memory
+
+
+def hook_request_path() -> None:
+    """In a diffusion worker: the coordinator, the platform and the request path's modules, now or when loaded."""
+    global _request_path_hook
+    from . import request_path  # imports vLLM-Omni's distributed modules: in diffusion workers only
+
+    mode = request_path.persistent_collectives.switch_mode()
+    if _request_path_hook is not None:
+        return
+    _request_path_hook = request_path.hook_for
+    for name, module in list(sys.modules.items()):
+        if module is not None and request_path.hook_for(name) is not None:  # imported before this worker started
+            _hook_quietly(module)
+    logger.info(
+        "[XPU_COLLECTIVE_MEMORY] request path hooked in this diffusion worker (%s=%s, vllm-omni %s)",
+        request_path.persistent_collectives.SWITCH_ENV,
+        mode,
+        omni_version(),
+    )
+
+
+_HOOKS = {ADAPTER_MODULE: hook_adapter, WORKER_MODULE: hook_worker}
+_request_path_hook = None  # in a diffusion worker: request_path.hook_for
+
+
+def _hooks_of(name: str) -> list:
+    own = _HOOKS.get(name)
+    routed = _request_path_hook(name) if _request_path_hook is not None else None
+    return [hook for hook in (own, routed) if hook is not None]
+
+
+def _hook_quietly(module: ModuleType) -> None:
+    try:
+        for hook in _hooks_of(module.__name__):
+            hook(module)
+    except Exception:  # never into vLLM-Omni's own import or a worker's start-up
+        logger.exception("[XPU_COLLECTIVE_MEMORY] could not hook %s; it is left as released", module.__name__)
+
+
+class _HookOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself; wraps the loader of a hooked module so its hook runs right after it."""
+
+    def find_spec(self, fullname, path, target=None):
+        if not _hooks_of(fullname):
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_hook(module: ModuleType) -> None:
+            exec_module(module)
+            _hook_quietly(module)
+
+        spec.loader.exec_module = exec_then_hook
+        return spec
+
+
+def register() -> None:
+    """Hook the adapter and the diffusion worker now where their modules are loaded, else when first imported.
+
+    Later calls are no-ops. A bad ``VLLM_OMNI_PERSISTENT_COLLECTIVES`` or block cap fails the process's start-up,
+    alike on every rank, rather than leave one rank on other collectives than its peers.
+    """
+    from vllm_omni.distributed.persistent_collectives import block_cap, switch_mode
+
+    switch_mode()
+    block_cap()
+    for name in _HOOKS:
+        if (module := sys.modules.get(name)) is not None:  # a spawned worker imports its module before the plugins
+            _hook_quietly(module)
+    if not any(isinstance(finder, _HookOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _HookOnImport())
+
+
+register_minimax_h3_vae_gather = old_entry_point("minimax_h3_vae_gather", register)

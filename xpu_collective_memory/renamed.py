@@ -1,0 +1,81 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
+"""The names operators may have set before 0.12.0, honoured for one release with a warning naming the new one.
+
+0.12.0 renamed the distribution (``minimax-h3-vae-gather`` to ``vllm-omni-xpu-collective-memory``) because it
+carries the whole-request fix for every diffusion model, not MiniMax-H3's VAE alone. Two names reach a running
+server from the operator's own configuration: the entry points in ``VLLM_PLUGINS`` and the census directory variable.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from vllm.logger import init_logger
+
+logger = init_logger(f"vllm_omni.plugins.{__name__}")
+
+# old entry point name -> new one (both are registered by this distribution until 0.13.0)
+ENTRY_POINTS = {"minimax_h3_vae_gather": "xpu_collective_memory", "minimax_h3_census": "xpu_collective_census"}
+CENSUS_ENV_BEFORE_0_12 = "VLLM_OMNI_H3_CENSUS_DIR"
+_warned: set[str] = set()
+
+
+def _listed_plugins() -> list[str] | None:
+    raw = os.environ.get("VLLM_PLUGINS")
+    return None if raw is None else [name.strip() for name in raw.split(",") if name.strip()]
+
+
+def old_entry_point(old: str, register: Callable[[], None]) -> Callable[[], None]:
+    """The entry point under its old name: it registers only where ``VLLM_PLUGINS`` picks the old name alone.
+
+    With ``VLLM_PLUGINS`` unset vLLM-Omni loads every entry point of the group, the new one included, so the old one
+    does nothing; where both names are listed the new one registers.
+    """
+    new = ENTRY_POINTS[old]
+
+    def load_under_old_name() -> None:
+        listed = _listed_plugins()
+        if listed is None or old not in listed:
+            return
+        if old not in _warned:  # vLLM-Omni may load the plugins again in one process: warn once
+            _warned.add(old)
+            _warn_old_name(old, new, listed)
+        if new not in listed:
+            register()
+
+    load_under_old_name.__name__ = f"register_{old}"
+    return load_under_old_name
+
+
+def _warn_old_name(old: str, new: str, listed: list[str]) -> None:
+    logger.warning(
+        "[XPU_COLLECTIVE_MEMORY] VLLM_PLUGINS names %r, renamed %r in 0.12.0; the old name stops working in "
+        "0.13.0: set VLLM_PLUGINS=%s",
+        old,
+        new,
+        ",".join(dict.fromkeys(new if name == old else name for name in listed)),
+    )
+
+
+def census_dir_variable(env_name: str) -> tuple[str, str] | None:
+    """``(variable, value)`` of the census directory, reading ``VLLM_OMNI_H3_CENSUS_DIR`` where the new one is unset.
+
+    Both set to different values is an error rather than a guess.
+    """
+    new, old = os.environ.get(env_name), os.environ.get(CENSUS_ENV_BEFORE_0_12)
+    if old is None:
+        return None if new is None else (env_name, new)
+    if new is not None and new != old:
+        raise ValueError(
+            f"{env_name}={new!r} and {CENSUS_ENV_BEFORE_0_12}={old!r} disagree; set {env_name} only "
+            f"({CENSUS_ENV_BEFORE_0_12} is its name before 0.12.0)"
+        )
+    if new is None:
+        logger.warning(
+            "[COLLECTIVE_CENSUS] %s is renamed %s in 0.12.0; the old name stops working in 0.13.0",
+            CENSUS_ENV_BEFORE_0_12,
+            env_name,
+        )
+    return env_name if new is not None else CENSUS_ENV_BEFORE_0_12, old
