@@ -288,12 +288,31 @@ def test_the_seed_table_has_per_rank_growth_between_consecutive_requests_for_eac
         (["--pipeline", "flux"], "invalid choice: 'flux'"),
         (["--height", "768"], "--height, --width, --num-frames and --steps need --model"),
         (["--device", "gpu"], "invalid choice: 'gpu'"),
+        (["--pipeline", "qwen_image", "--model", "QWEN", "--num-frames", "9"], "--num-frames=9: Qwen-Image makes one"),
     ],
 )
-def test_bad_arguments_are_refused_naming_the_value(capsys, argv, message):
+def test_bad_arguments_are_refused_naming_the_value(capsys, tmp_path, argv, message):
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "QwenImagePipeline"}))
     with pytest.raises(SystemExit) as exc:
-        census_bench.parse_args(argv)
+        census_bench.parse_args([str(tmp_path) if arg == "QWEN" else arg for arg in argv])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("plugins", "missing"),
+    [
+        ("xpu_collective_memory", "xpu_collective_census"),
+        ("cpu_test", "xpu_collective_memory and xpu_collective_census"),
+    ],
+)
+def test_vllm_plugins_without_the_fix_or_the_census_is_refused_naming_what_to_add(
+    monkeypatch, capsys, plugins, missing
+):
+    monkeypatch.setenv("VLLM_PLUGINS", plugins)
+    with pytest.raises(SystemExit) as exc:
+        census_bench.parse_args([])
+    assert exc.value.code == 2
+    assert f"VLLM_PLUGINS={plugins!r}: the A/B needs {missing} in it too, or unset it" in capsys.readouterr().err
 
 
 def test_device_xpu_without_an_xpu_is_refused_at_once(capsys, tmp_path):
