@@ -41,6 +41,7 @@ from tooling.upstream_patches import PLUGIN, plugins_without_ours
 from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV
 from vllm_omni.distributed.persistent_collectives import SWITCH_ENV
 from xpu_collective_memory.census import CENSUS_ENV, COMPONENTS
+from xpu_collective_memory.renamed import CENSUS_ENV_BEFORE_0_12
 
 MIB = 1024 * 1024
 CENSUS_PLUGIN = "xpu_collective_census"  # the census's entry point (setup.py)
@@ -139,7 +140,8 @@ def serve_and_count(
     with contextlib.ExitStack() as stack:
         servers = {}
         for run in runs:
-            env = {CENSUS_ENV: str(dirs[run]), **RUNS[run]}
+            # Under the name before 0.12.0 too: an operator's exported old name must not disagree with this run's.
+            env = {CENSUS_ENV: str(dirs[run]), CENSUS_ENV_BEFORE_0_12: str(dirs[run]), **RUNS[run]}
             if run == "release":
                 env["VLLM_PLUGINS"] = plugins_without_ours()
             log, reuse = dirs[run] / "server.log", RUNS[run][REUSE_ENV]

@@ -52,6 +52,8 @@ fi
 # Our modules land inside the installed vllm-omni package, and the plugin entry point is registered. The
 # distribution's name before 0.12.0 goes first: its plugin would hook the workers a second time.
 "${pip[@]}" uninstall -q -y minimax-h3-vae-gather 2>/dev/null || true
+# setuptools never empties build/: a package renamed or removed since the last build would ship again.
+rm -rf build
 "${pip[@]}" install -q --no-deps --force-reinstall .
 # Test-only: the CPU platform for vLLM-Omni (tests/cpu_platform), which the product never installs. It stays
 # inert unless VLLM_OMNI_CPU_TEST_PLATFORM=1 on a machine without an accelerator.

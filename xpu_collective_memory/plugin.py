@@ -6,9 +6,10 @@ Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(s
 ``scope_checkpoint_collectives(self)``, the platform and the coordinator own the request path's collectives, and
 the diffusion worker runs each request in its pool in pool mode. vLLM-Omni loads this plugin in every process (API
 server, LLM stages, workers of any model), so it only hooks: MiniMax-H3's adapter when its module is loaded, and a
-diffusion worker as it sets up its device. There, with staging (``VLLM_OMNI_PERSISTENT_COLLECTIVES`` ``1``, or
-``auto`` on XPU) it routes the request path's collectives (``request_path``); in pool mode it routes none and runs
-each request entry point in the worker's private pool. Any other process is left untouched.
+diffusion worker as it sets up its device. There, in every mode but pool (``VLLM_OMNI_PERSISTENT_COLLECTIVES`` ``1``,
+``auto`` or ``0``) it routes the request path's collectives (``request_path``), which stage where the mode says; in
+pool mode it routes none and runs each request entry point in the worker's private pool. Any other process is left
+untouched.
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ def hook_adapter(module: ModuleType) -> bool:
 
 
 def hook_worker(module: ModuleType) -> bool:
-    """Make ``DiffusionWorker.init_device`` first hook the request path (staging) or end by opening the worker's
-    pool (pool mode, where no collective is routed), and run each request entry point in that pool, once; returns
-    whether it is hooked."""
+    """Make ``DiffusionWorker.init_device`` first hook the request path (every mode but pool) or end by opening the
+    worker's pool (pool mode, where no collective is routed), and run each request entry point in that pool, once;
+    returns whether it is hooked."""
     worker = getattr(module, "DiffusionWorker", None)
     original = getattr(worker, "init_device", None) if isinstance(worker, type) else None
     if not callable(original):

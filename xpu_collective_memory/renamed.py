@@ -23,8 +23,9 @@ _warned: set[str] = set()
 
 
 def _listed_plugins() -> list[str] | None:
+    """``VLLM_PLUGINS`` as vLLM's loader reads it (``vllm.envs``: split at commas, nothing stripped)."""
     raw = os.environ.get("VLLM_PLUGINS")
-    return None if raw is None else [name.strip() for name in raw.split(",") if name.strip()]
+    return None if raw is None else raw.split(",")
 
 
 def old_entry_point(old: str, register: Callable[[], None]) -> Callable[[], None]:
@@ -55,7 +56,7 @@ def _warn_old_name(old: str, new: str, listed: list[str]) -> None:
         "0.13.0: set VLLM_PLUGINS=%s",
         old,
         new,
-        ",".join(dict.fromkeys(new if name == old else name for name in listed)),
+        ",".join(dict.fromkeys(new if name.strip() == old else name.strip() for name in listed if name.strip())),
     )
 
 

@@ -95,7 +95,7 @@ def test_entry_points_new_and_old_names_come_from_the_installed_distribution_met
 
 
 def test_vllm_omni_loader_hooks_the_adapter_once_and_the_env_decides_the_install(loaded):
-    report = loaded["unset"]
+    report = _outcome(loaded, "unset")
     assert report["hooked"] and report["wrapped_once"]
     assert not report["auto_installed"]  # auto mode: XPU only
     assert report["forced_installed"] and report["again_installed"]
@@ -169,14 +169,34 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str, env: dict[str, 
 
 def _started_together(scenarios: dict[str, tuple], **env: str) -> dict[str, dict]:
     """Each scenario ``(fn, *args)`` in a fresh single-rank process, all started at once: each loads vLLM-Omni on its
-    own (about ten seconds of CPU), so started together they take the time of a few on this machine's cores."""
+    own (about ten seconds of CPU), so started together they take the time of a few on this machine's cores. Each
+    test reads its own scenario's outcome (``results_or_raise``), so a failure names the scenario it comes from."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
+    from tests.distributed import ranks
+
+    handed, lock = set(), threading.Lock()
+
+    def distinct_port() -> int:  # no two scenarios started together get the same rendezvous port
+        with lock:
+            while (port := free_port()) in handed:
+                pass
+            handed.add(port)
+            return port
+
+    free_port = ranks.free_port
     with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(max_workers=len(scenarios)) as pool:
+        mp.setattr(ranks, "free_port", distinct_port)
         for name, value in env.items():  # read at interpreter start: set before the processes are spawned
             mp.setenv(name, value)
         started = {key: pool.submit(run_ranks, fn, 1, *args, timeout_s=600) for key, (fn, *args) in scenarios.items()}
-        return {key: results_or_raise(future.result(), 1)[0] for key, future in started.items()}
+        return {key: future.result() for key, future in started.items()}
+
+
+def _outcome(runs: dict[str, dict], key: str) -> dict:
+    (report,) = results_or_raise(runs[key], 1)
+    return report
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +221,7 @@ def in_a_worker() -> dict[str, dict]:
 def test_a_diffusion_worker_routes_its_request_path_through_the_platform_and_the_switch_picks_the_buffers(
     value, staged, in_a_worker
 ):
-    report = in_a_worker[value]
+    report = _outcome(in_a_worker, value)
     assert report == {
         "routed_before_init_device": False,
         "routed": True,
@@ -218,12 +238,12 @@ def test_a_diffusion_worker_routes_its_request_path_through_the_platform_and_the
 
 
 def test_a_bad_switch_fails_the_plugin_load_naming_the_value(in_a_worker):
-    report = in_a_worker["on"]
+    report = _outcome(in_a_worker, "on")
     assert "VLLM_OMNI_PERSISTENT_COLLECTIVES='on' is not valid" in report["error"]
 
 
 def test_a_bad_block_cap_fails_the_plugin_load_naming_the_value(in_a_worker):
-    report = in_a_worker["bad cap"]
+    report = _outcome(in_a_worker, "bad cap")
     assert "VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB='64MiB' is not valid" in report["error"]
 
 
@@ -295,7 +315,7 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
 def test_pool_mode_opens_one_pool_after_start_up_and_runs_every_request_entry_point_in_it_but_not_the_load(
     in_a_worker,
 ):
-    report = in_a_worker["pool"]
+    report = _outcome(in_a_worker, "pool")
     assert report == {
         "seen": [
             ("init_device", False),  # the pool is opened once the device is set
@@ -318,14 +338,14 @@ def test_pool_mode_on_a_platform_whose_torch_has_no_mem_pool_fails_the_workers_s
 ):
     import torch
 
-    report = in_a_worker["pool without MemPool"]
+    report = _outcome(in_a_worker, "pool without MemPool")
     assert f"torch.cpu.MemPool and use_mem_pool, which torch {torch.__version__} does not have" in report["error"]
 
 
 def test_pool_mode_with_expandable_segments_fails_the_workers_start_up_naming_the_variable_and_its_value(
     in_a_worker,
 ):
-    report = in_a_worker["pool expandable"]
+    report = _outcome(in_a_worker, "pool expandable")
     assert report["error"].startswith(f"PYTORCH_ALLOC_CONF={EXPANDABLE!r} turns on expandable segments"), report
     assert "remove expandable_segments:True from PYTORCH_ALLOC_CONF" in report["error"]
 
@@ -363,13 +383,13 @@ def test_loading_the_plugins_outside_a_diffusion_worker_leaves_the_coordinator_a
 
 
 def test_vllm_plugins_without_ours_leaves_the_adapter_untouched(loaded):
-    report = loaded["without ours"]
+    report = _outcome(loaded, "without ours")
     assert not report["hooked"]
     assert not report["forced_installed"] and report["forced_untouched"]
 
 
 def test_vllm_plugins_with_the_old_name_hooks_the_adapter_and_warns_naming_the_new_one(loaded):
-    report = loaded["old name"]
+    report = _outcome(loaded, "old name")
     assert report["hooked"] and report["wrapped_once"] and report["forced_installed"]
     renamed, hooked = report["messages"]
     assert "VLLM_PLUGINS names 'minimax_h3_vae_gather', renamed 'xpu_collective_memory'" in renamed
