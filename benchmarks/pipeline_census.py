@@ -37,14 +37,13 @@ from typing import Any
 
 from benchmarks import report, stats
 from tooling import serve_cpu
-from tooling.upstream_patches import PLUGIN, plugins_without_ours
+from tooling.upstream_patches import plugins_without_ours
 from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV
 from vllm_omni.distributed.persistent_collectives import SWITCH_ENV
 from xpu_collective_memory.census import CENSUS_ENV, COMPONENTS
-from xpu_collective_memory.renamed import CENSUS_ENV_BEFORE_0_12
+from xpu_collective_memory.renamed import CENSUS_ENV_BEFORE_0_12, CENSUS_PLUGIN, PLUGIN, listed_plugins
 
 MIB = 1024 * 1024
-CENSUS_PLUGIN = "xpu_collective_census"  # the census's entry point (setup.py)
 SEQUENCE_LAYOUTS = {"tp": ("--tensor-parallel-size=4",), "ulysses": ("--usp=4",), "ring": ("--ring=4",)}
 # Each pipeline's DiT layouts on four ranks, as vLLM-Omni offers them for it.
 CFG_LAYOUT = ("--cfg-parallel-size=2", "--usp=2")
@@ -661,11 +660,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--height, --width, --num-frames and --steps need --model: the synthetic request is fixed")
     if args.pipeline == "qwen_image" and args.num_frames is not None:
         parser.error(f"--num-frames={args.num_frames}: Qwen-Image makes one image; leave it out")
-    if (listed := os.environ.get("VLLM_PLUGINS")) is not None:
+    if (listed := listed_plugins()) is not None:
         # The arms load the fix and the census by these names; only the release arm leaves the fix out itself.
-        missing = [name for name in (PLUGIN, CENSUS_PLUGIN) if name not in listed.split(",")]
+        missing = [name for name in (PLUGIN, CENSUS_PLUGIN) if name not in listed]
         if missing:
-            parser.error(f"VLLM_PLUGINS={listed!r}: the A/B needs {' and '.join(missing)} in it too, or unset it")
+            parser.error(
+                f"VLLM_PLUGINS={os.environ['VLLM_PLUGINS']!r}: the A/B needs {' and '.join(missing)} in it too, "
+                "or unset it"
+            )
     return args
 
 

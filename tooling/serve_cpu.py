@@ -65,6 +65,8 @@ RECEIPTS = {
     "pool_entries": r"\[CPU_TEST_PLATFORM\] MemPool \(\d+, \d+\) in use ",
 }
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
+# The log tags of the plugin, the VAE gather and staging: where the fix says it applied.
+FIX_TAGS = ("[XPU_COLLECTIVE_MEMORY]", "[H3_VAE_GATHER]", "[PERSISTENT_COLLECTIVES]")
 
 
 @dataclass
@@ -217,8 +219,7 @@ def receipt_pids(log: str, name: str) -> Counter[int]:
 
 
 def receipt_lines(log: str) -> list[str]:
-    tags = ("[XPU_COLLECTIVE_MEMORY]", "[H3_VAE_GATHER]")
-    return [line for line in _without_colours(log).splitlines() if any(tag in line for tag in tags)]
+    return [line for line in _without_colours(log).splitlines() if any(tag in line for tag in FIX_TAGS)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -266,8 +267,7 @@ def _serve_wan2_2(args: argparse.Namespace) -> int:
     (args.output_dir / "t2v.mp4").write_bytes(mp4)
     log = _without_colours((args.output_dir / "server.log").read_text(errors="replace"))
     print("where the fix was applied (from the server log):")
-    tags = ("[XPU_COLLECTIVE_MEMORY]", "[PERSISTENT_COLLECTIVES]")
-    print(*(f"  {line}" for line in log.splitlines() if any(tag in line for tag in tags)), sep="\n")
+    print(*(f"  {line}" for line in receipt_lines(log)), sep="\n")
     print(f"video: {media_info(mp4)} -> {args.output_dir / 't2v.mp4'}")
     return 0 if len(receipt_pids(log, "layer_installs")) == WORLD else 1
 

@@ -24,10 +24,11 @@ import zipfile
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from xpu_collective_memory.renamed import ENTRY_POINTS, PLUGIN
+
 ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
 RELEASE = "0.30.0"
-PLUGIN = "xpu_collective_memory"
 TREE_ENV = "VLLM_OMNI_TEST_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
 # What the patches carry from this checkout, beside their hand-made changes (vae.py in the first; the coordinator,
 # the platform interface and the request path's imports in the second; the third only carries; every diffusion
@@ -189,8 +190,6 @@ def plugins_without_ours() -> str:
         "vllm_omni.general_plugins",
         "vllm_omni.platform_plugins",
     )
-    from xpu_collective_memory.renamed import ENTRY_POINTS
-
     ours = {PLUGIN, *(old for old, new in ENTRY_POINTS.items() if new == PLUGIN)}
     names = {ep.name for group in groups for ep in entry_points(group=group)} - ours
     return ",".join(sorted(names))

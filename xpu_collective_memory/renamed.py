@@ -16,13 +16,15 @@ from vllm.logger import init_logger
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
-# old entry point name -> new one (both are registered by this distribution until 0.13.0)
-ENTRY_POINTS = {"minimax_h3_vae_gather": "xpu_collective_memory", "minimax_h3_census": "xpu_collective_census"}
+# The entry points' names (setup.py), and old name -> new one: both are registered by this distribution until 0.13.0.
+PLUGIN = "xpu_collective_memory"
+CENSUS_PLUGIN = "xpu_collective_census"
+ENTRY_POINTS = {"minimax_h3_vae_gather": PLUGIN, "minimax_h3_census": CENSUS_PLUGIN}
 CENSUS_ENV_BEFORE_0_12 = "VLLM_OMNI_H3_CENSUS_DIR"
 _warned: set[str] = set()
 
 
-def _listed_plugins() -> list[str] | None:
+def listed_plugins() -> list[str] | None:
     """``VLLM_PLUGINS`` as vLLM's loader reads it (``vllm.envs``: split at commas, nothing stripped)."""
     raw = os.environ.get("VLLM_PLUGINS")
     return None if raw is None else raw.split(",")
@@ -37,7 +39,7 @@ def old_entry_point(old: str, register: Callable[[], None]) -> Callable[[], None
     new = ENTRY_POINTS[old]
 
     def load_under_old_name() -> None:
-        listed = _listed_plugins()
+        listed = listed_plugins()
         if listed is None or old not in listed:
             return
         if old not in _warned:  # vLLM-Omni may load the plugins again in one process: warn once

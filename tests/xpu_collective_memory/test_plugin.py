@@ -176,7 +176,7 @@ def _started_together(scenarios: dict[str, tuple], **env: str) -> dict[str, dict
 
     from tests.distributed import ranks
 
-    handed, lock = set(), threading.Lock()
+    free_port, handed, lock = ranks.free_port, set(), threading.Lock()
 
     def distinct_port() -> int:  # no two scenarios started together get the same rendezvous port
         with lock:
@@ -185,7 +185,6 @@ def _started_together(scenarios: dict[str, tuple], **env: str) -> dict[str, dict
             handed.add(port)
             return port
 
-    free_port = ranks.free_port
     with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(max_workers=len(scenarios)) as pool:
         mp.setattr(ranks, "free_port", distinct_port)
         for name, value in env.items():  # read at interpreter start: set before the processes are spawned
