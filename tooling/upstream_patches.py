@@ -1,26 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""The upstream change as ``git format-patch`` files against the released vLLM-Omni 0.30.0 package tree.
+"""The upstream change as a ``git format-patch`` series against the released vLLM-Omni 0.30.0 package tree.
 
 vLLM-Omni publishes no sdist after 0.20.0, so the reference is the 0.30.0 wheel's ``vllm_omni`` tree, fetched
-fresh (the installed copy carries this project's overlay). Run from the 0.30.0 environment:
+fresh (the installed copy carries this project's overlay). Each patch owns the new files it carries whole, taken
+from this checkout (``SERIES``); its edits to release files and its message live in the patch. Run from the 0.30.0
+environment:
 
-    python -m tooling.upstream_patches check        # pristine tree, git apply --check, git apply
-    python -m tooling.upstream_patches test         # check, then the patch's tests and the serve test
-                                                             # against the patched tree, with the plugin off
-    python -m tooling.upstream_patches regenerate   # rewrite patches/ from this checkout's files
-    python -m tooling.upstream_patches regenerate --new MESSAGE_FILE   # the change as a patch of its own
+    python -m tooling.upstream_patches check                # pristine tree, each patch checked then applied
+    python -m tooling.upstream_patches test                 # each prefix: its last patch's own tests, plugin off;
+                                                            # then the serve tests on the whole series
+    python -m tooling.upstream_patches test --prefix 3      # the first three patches, the third's tests
+    python -m tooling.upstream_patches regenerate           # every patch's owned files as this checkout has them
+    python -m tooling.upstream_patches regenerate --tree T  # also messages and release edits from T's commits
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -30,72 +36,90 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
 RELEASE = "0.30.0"
 TREE_ENV = "VLLM_OMNI_TEST_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
-# What the patches carry from this checkout, beside their hand-made changes (vae.py in the first; the coordinator,
-# the platform interface and the request path's imports in the second; the third only carries; every diffusion
-# module's import of managed_distributed in the fourth; the worker's and HSDP's in the fifth; the worker's pool in
-# the seventh). ``regenerate``
-# refreshes the last patch: a file the last patch carries is as this checkout has it once every patch is applied;
-# the earlier patches' copies are their own (the first's vae_gather.py has no request-path scoping yet, the
-# second's persistent collectives predate the third's cost and contract changes).
-CARRIED_FIRST = (
-    "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
-    "vllm_omni/distributed/collective_workspaces.py",
-    *(
-        f"tests/diffusion/models/minimax_h3/{name}"
-        for name in (
-            "__init__.py",
-            "conftest.py",
-            "fake_collective.py",
-            "stand_ins.py",
-            "bad_input_cases.py",
-            "test_vae_gather.py",
-            "test_vae_gather_bad_input.py",
-        )
+MAX_ADDED = 400  # added non-test lines a patch may have; a larger one says why under this heading
+LARGER_HEADING = "Why more than 400 lines"
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One pull request: the files it adds whole from this checkout (none of them touched by another patch)."""
+
+    topic: str
+    owns: tuple[str, ...]
+
+    @property
+    def tests(self) -> tuple[str, ...]:
+        return tuple(path for path in self.owns if Path(path).name.startswith("test_"))
+
+
+def _under(folder: str, *names: str) -> tuple[str, ...]:
+    return tuple(f"{folder}/{name}" for name in names)
+
+
+SERIES = (
+    Patch(
+        "the MiniMax-H3 VAE's tile gather into memory that stays put",
+        (
+            "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
+            "vllm_omni/distributed/collective_workspaces.py",
+            *_under(
+                "tests/diffusion/models/minimax_h3",
+                "__init__.py",
+                "conftest.py",
+                "fake_collective.py",
+                "stand_ins.py",
+                "bad_input_cases.py",
+                "test_vae_gather.py",
+                "test_vae_gather_bad_input.py",
+            ),
+        ),
+    ),
+    Patch(
+        "pool mode: each request of a diffusion worker in one private memory pool",
+        (
+            "vllm_omni/distributed/request_pool.py",
+            *_under("tests/distributed", "__init__.py", "ranks.py", "mem_pool_stand_in.py", "test_request_pool.py"),
+        ),
+    ),
+    Patch(
+        "staged collectives at the coordinator and the platform, eager and compiled",
+        (
+            "vllm_omni/distributed/persistent_collectives.py",
+            "vllm_omni/distributed/traced_collectives.py",
+            *_under(
+                "tests/distributed",
+                "collective_ranks.py",
+                "contract_ranks.py",
+                "coordinator_ranks.py",
+                "test_persistent_collectives.py",
+                "test_group_coordinator.py",
+            ),
+        ),
+    ),
+    Patch(
+        "every kind a diffusion module calls: managed_distributed and FSDP2's all-gather",
+        (
+            "vllm_omni/distributed/managed_distributed.py",
+            "vllm_omni/distributed/persistent_fsdp.py",
+            *_under(
+                "tests/distributed",
+                "managed_ranks.py",
+                "fsdp_ranks.py",
+                "order_ranks.py",
+                "pool_ranks.py",
+                "test_managed_distributed.py",
+                "test_persistent_fsdp.py",
+                "test_program_order.py",
+            ),
+        ),
+    ),
+    Patch(
+        "the rule: every diffusion module's collectives through managed_distributed",
+        _under("tests/distributed", "sequence_parallel_ranks.py", "test_sequence_parallel.py"),
     ),
 )
-CARRIED_LAST = (
-    "vllm_omni/distributed/collective_workspaces.py",
-    "vllm_omni/distributed/persistent_collectives.py",
-    "vllm_omni/distributed/managed_distributed.py",
-    "vllm_omni/distributed/traced_collectives.py",
-    "vllm_omni/distributed/persistent_fsdp.py",
-    "vllm_omni/distributed/request_pool.py",
-    "vllm_omni/diffusion/models/minimax_h3/vae_gather.py",
-    *(
-        f"tests/distributed/{name}"
-        for name in (
-            "__init__.py",
-            "ranks.py",
-            "collective_ranks.py",
-            "coordinator_ranks.py",
-            "sequence_parallel_ranks.py",
-            "contract_ranks.py",
-            "managed_ranks.py",
-            "fsdp_ranks.py",
-            "order_ranks.py",
-            "test_persistent_collectives.py",
-            "test_group_coordinator.py",
-            "test_sequence_parallel.py",
-            "test_managed_distributed.py",
-            "test_persistent_fsdp.py",
-            "test_program_order.py",
-            "mem_pool_stand_in.py",
-            "pool_ranks.py",
-            "test_request_pool.py",
-        )
-    ),
-)
-CARRIED = tuple(dict.fromkeys(CARRIED_FIRST + CARRIED_LAST))
-# The gather's unit tests and the patches' tests that run release modules as the patches change them: the
-# coordinator, the sequence-parallel attention. The tests of the layer the patches carry whole (persistent
-# collectives, managed_distributed, FSDP2's all-gather) run once, on this checkout in the 0.28.0 pass, under the same
-# torch: ``test_the_patch_carries_this_checkouts_file_as_it_is_now`` holds the files identical.
-UPSTREAM_TESTS = (
-    "tests/diffusion/models/minimax_h3",
-    "tests/distributed/test_group_coordinator.py",
-    "tests/distributed/test_sequence_parallel.py",
-)
-# Run from this checkout against the patched tree: the serve test needs the project's synthetic pipeline.
+OWNED = tuple(path for patch in SERIES for path in patch.owns)
+# Run from this checkout against the whole series: they need the project's synthetic pipelines.
 CHECKOUT_TESTS = ("tests/e2e/test_minimax_h3_serve_cpu.py", "tests/e2e/test_wan2_2_serve_cpu.py")
 # The tree has no pytest configuration of its own; upstream's registers these markers.
 PYTEST_INI = """[pytest]
@@ -130,19 +154,25 @@ def _git_ok(tree: Path, *args: str) -> str:
 
 def patch_files() -> list[Path]:
     patches = sorted(PATCHES.glob("*.patch"))
-    if not patches:
-        raise SystemExit(f"no *.patch files in {PATCHES}")
+    if len(patches) != len(SERIES):
+        raise SystemExit(f"{PATCHES} has {len(patches)} *.patch files; SERIES names {len(SERIES)} patches")
     return patches
+
+
+@functools.cache
+def _wheel() -> Path:
+    """The 0.30.0 wheel, downloaded once per process."""
+    download = Path(tempfile.mkdtemp(prefix="vllm-omni-wheel-"))
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"vllm-omni=={RELEASE}", "-d", str(download)]
+    subprocess.run(command, check=True, capture_output=True)
+    (wheel,) = download.glob("vllm_omni-*.whl")
+    return wheel
 
 
 def pristine_tree(dest: Path) -> Path:
     """The 0.30.0 wheel's ``vllm_omni`` package in a fresh git repository at ``dest``, one commit."""
-    with tempfile.TemporaryDirectory() as download:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", f"vllm-omni=={RELEASE}", "-d", download]
-        subprocess.run(command, check=True, capture_output=True)
-        (wheel,) = Path(download).glob("vllm_omni-*.whl")
-        with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(dest, [n for n in archive.namelist() if n.startswith("vllm_omni/")])
+    with zipfile.ZipFile(_wheel()) as archive:
+        archive.extractall(dest, [n for n in archive.namelist() if n.startswith("vllm_omni/")])
     _git_ok(dest, "init", "-q")
     _git_ok(dest, "add", "-A")
     _git_ok(dest, "commit", "-q", "-m", f"vLLM-Omni {RELEASE} package tree, from the wheel")
@@ -150,8 +180,8 @@ def pristine_tree(dest: Path) -> Path:
 
 
 def apply_patches(tree: Path, patches: list[Path]) -> None:
-    """``git apply --check`` then ``git apply`` each patch in order; a patch that no longer applies stops here,
-    with git's own lines naming the file and the hunk."""
+    """``git apply --check`` then ``git apply`` each patch in order, one commit each; a patch that no longer applies
+    stops here, with git's own lines naming the file and the hunk."""
     for patch in patches:
         checked = _git(tree, "apply", "--check", "-v", str(patch))
         if checked.returncode != 0:
@@ -161,25 +191,36 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
         _git_ok(tree, "commit", "-q", "-m", f"apply {patch.name}")
 
 
-def regenerate(patches: list[Path], message: Path | None = None) -> list[Path]:
-    """Re-apply the patches as commits, refresh what the last one carries from this checkout (or, with a
-    ``message``, carry the change in a new patch of its own with that message), write them out."""
+def regenerate(source: Path | None = None, out: Path = PATCHES) -> list[Path]:
+    """Rewrite every patch into ``out``. Each commit of ``source`` after its first (default: the current patches
+    applied with ``git am``) gives a patch's message and its edits to release files; the files the patch owns come
+    from this checkout, and a new file it does not own is dropped."""
     with tempfile.TemporaryDirectory() as scratch:
-        tree = pristine_tree(Path(scratch))
-        _git_ok(tree, "am", "-q", "--keep-non-patch", *map(str, patches))
-        for relative in CARRIED_LAST:
-            target = tree / relative
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(ROOT / relative, target)
-        _git_ok(tree, "add", "-A")
-        if _git(tree, "diff", "--cached", "--quiet").returncode != 0:
-            how = ["--amend", "--no-edit"] if message is None else ["-F", str(message.resolve())]
-            _git_ok(tree, "commit", "-q", *how)
-        for old in patches:
+        tree = Path(scratch) / "series"
+        if source is None:
+            pristine_tree(tree)
+            _git_ok(tree, "am", "-q", "--keep-non-patch", *map(str, patch_files()))
+        else:
+            _git_ok(Path(scratch), "clone", "-q", str(source.resolve()), str(tree))
+        commits = _git_ok(tree, "rev-list", "--reverse", "HEAD").split()[1:]
+        if len(commits) != len(SERIES):
+            raise SystemExit(f"{source or PATCHES}: {len(commits)} patches; SERIES names {len(SERIES)}")
+        _git_ok(tree, "checkout", "-q", "--detach", f"{commits[0]}~1")
+        for commit, patch in zip(commits, SERIES, strict=True):
+            _git_ok(tree, "cherry-pick", "--allow-empty", commit)
+            added = _git_ok(tree, "diff", "--name-only", "--diff-filter=A", "HEAD~1", "HEAD").split()
+            for stray in set(added) - set(patch.owns):
+                _git_ok(tree, "rm", "-q", stray)
+            for relative in patch.owns:
+                (tree / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(ROOT / relative, tree / relative)
+            _git_ok(tree, "add", "-A")
+            _git_ok(tree, "commit", "-q", "--amend", "--no-edit", "--allow-empty")
+        for old in out.glob("*.patch"):
             old.unlink()
-        since = f"HEAD~{len(patches) + (message is not None)}"
-        out = _git_ok(tree, "format-patch", "-q", "-N", "--no-signature", "--zero-commit", "-o", str(PATCHES), since)
-        return [Path(line) for line in out.splitlines()]
+        since = f"HEAD~{len(SERIES)}"
+        written = _git_ok(tree, "format-patch", "-q", "-N", "--no-signature", "--zero-commit", "-o", str(out), since)
+        return [Path(line) for line in written.splitlines()]
 
 
 def plugins_without_ours() -> str:
@@ -195,40 +236,86 @@ def plugins_without_ours() -> str:
     return ",".join(sorted(names))
 
 
-def run_against(tree: Path) -> int:
-    """The patches' own tests in the patched tree, then the serve test from this checkout, with that tree first and
-    the plugin off."""
-    (tree / "pytest.ini").write_text(PYTEST_INI)
-    env = os.environ | {
+def _tree_env(tree: Path) -> dict[str, str]:
+    return os.environ | {
         "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
         "VLLM_PLUGINS": plugins_without_ours(),
         TREE_ENV: str(tree),
     }
-    for cwd, targets in ((tree, UPSTREAM_TESTS), (ROOT, CHECKOUT_TESTS)):
-        print(f"[upstream] pytest {' '.join(targets)} against {tree}", file=sys.stderr, flush=True)
-        done = subprocess.run([sys.executable, "-m", "pytest", *targets], cwd=cwd, env=env)
-        if done.returncode != 0:
-            return done.returncode
-    return 0
+
+
+def prefix_tree(dest: Path, length: int) -> Path:
+    """The pristine tree with the first ``length`` patches applied."""
+    apply_patches(pristine_tree(dest), patch_files()[:length])
+    return dest
+
+
+def run_patch_tests(tree: Path, index: int, *pytest_args: str) -> int:
+    """Patch ``index``'s own tests (0-based) in ``tree``, with that tree first and the plugin off."""
+    (tree / "pytest.ini").write_text(PYTEST_INI)
+    targets = SERIES[index].tests
+    print(f"[upstream] patch {index + 1}: pytest {' '.join(targets)} in {tree}", file=sys.stderr, flush=True)
+    command = [sys.executable, "-m", "pytest", *pytest_args, *targets]
+    return subprocess.run(command, cwd=tree, env=_tree_env(tree)).returncode
+
+
+def run_checkout_tests(tree: Path) -> int:
+    """The serve tests from this checkout against the whole series' ``tree``, plugin off."""
+    print(f"[upstream] pytest {' '.join(CHECKOUT_TESTS)} against {tree}", file=sys.stderr, flush=True)
+    return subprocess.run([sys.executable, "-m", "pytest", *CHECKOUT_TESTS], cwd=ROOT, env=_tree_env(tree)).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("check", "test", "regenerate"))
-    parser.add_argument("--tree", type=Path, help="where to lay the patched tree (default: a new temporary directory)")
-    parser.add_argument("--new", type=Path, metavar="MESSAGE_FILE", help="regenerate: a new last patch, this message")
+    parser.add_argument("--tree", type=Path, help="check/test: where to lay the patched tree (new or empty); "
+                        "regenerate: a git tree whose commits after the first are the series")  # fmt: skip
+    parser.add_argument("--prefix", type=int, help=f"check/test: the first N patches only (1 to {len(SERIES)})")
     args = parser.parse_args(argv)
-    patches = patch_files()
     if args.action == "regenerate":
-        for written in regenerate(patches, args.new):
+        for written in regenerate(args.tree):
             print(f"[upstream] wrote {written.relative_to(ROOT)}")
         return 0
-    tree = args.tree or Path(tempfile.mkdtemp(prefix="vllm-omni-0.30.0-patched-"))
-    if tree.exists() and any(tree.iterdir()):
-        parser.error(f"--tree={tree}: expected a new or empty directory")
-    apply_patches(pristine_tree(tree), patches)
-    print(f"[upstream] {len(patches)} patch(es) apply to vLLM-Omni {RELEASE}: {tree}")
-    return run_against(tree) if args.action == "test" else 0
+    prefixes = [args.prefix] if args.prefix is not None else list(range(1, len(SERIES) + 1))
+    if not all(1 <= length <= len(SERIES) for length in prefixes):
+        parser.error(f"--prefix={args.prefix}: expected 1 to {len(SERIES)}")
+    base = args.tree or Path(tempfile.mkdtemp(prefix=f"vllm-omni-{RELEASE}-patched-"))
+    if base.exists() and any(base.iterdir()):
+        parser.error(f"--tree={base}: expected a new or empty directory")
+    for length in prefixes:
+        tree = prefix_tree(base / f"prefix-{length}", length)
+        print(f"[upstream] patches 1-{length} apply to vLLM-Omni {RELEASE}: {tree}")
+        if args.action == "test" and (failed := run_patch_tests(tree, length - 1)):
+            return failed
+    if args.action == "test" and prefixes[-1] == len(SERIES):
+        return run_checkout_tests(base / f"prefix-{len(SERIES)}")
+    return 0
+
+
+def added_lines(patch: Path) -> dict[str, list[str]]:
+    """Per file, the lines ``patch`` adds; under ``-`` the key ``-<file>``, the lines it removes."""
+    lines: dict[str, list[str]] = {}
+    current = ""
+    for line in patch.read_text().split("\n"):
+        if line.startswith("diff --git "):
+            current = line.split(" b/", 1)[-1]
+        elif line.startswith("+") and not line.startswith("+++ "):
+            lines.setdefault(current, []).append(line[1:])
+        elif line.startswith("-") and not line.startswith("--- ") and current:
+            lines.setdefault(f"-{current}", []).append(line[1:])
+    return lines
+
+
+def added_non_test_lines(patch: Path) -> int:
+    """What a reviewer reads beside the tests: the patch's added non-blank lines outside ``tests/``."""
+    lines = added_lines(patch).items()
+    return sum(1 for key, added in lines if not key.startswith(("-", "tests/")) for line in added if line.strip())
+
+
+def message(patch: Path) -> str:
+    """The patch's commit message (its pull request's description)."""
+    text = patch.read_text()
+    return re.split(r"\n---\n", text.split("\n\n", 1)[1], maxsplit=1)[0]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 """``vllm_omni.general_plugins`` entry point: a released vLLM-Omni gets the whole-request fix where upstream makes it.
 
 Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)`` and
-``scope_checkpoint_collectives(self)``, the platform and the coordinator own the request path's collectives, and
+``scope_remote_code(self.model)``, the platform and the coordinator own the request path's collectives, and
 the diffusion worker runs each request in its pool in pool mode. vLLM-Omni loads this plugin in every process (API
 server, LLM stages, workers of any model), so it only hooks: MiniMax-H3's adapter when its module is loaded, and a
 diffusion worker as it sets up its device. There, in every mode but pool (``VLLM_OMNI_PERSISTENT_COLLECTIVES`` ``1``,
@@ -74,6 +74,7 @@ def hook_adapter(module: ModuleType) -> bool:
         return True
 
     from vllm_omni.diffusion.models.minimax_h3 import vae_gather
+    from vllm_omni.distributed import managed_distributed
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
@@ -82,7 +83,7 @@ def hook_adapter(module: ModuleType) -> bool:
         # a rank that fails on its own (a bad switch value, no memory for the 28 KiB header buffer) must not come
         # up with the checkpoint's gather while its peers run this one; its start-up fails instead.
         vae_gather.install_tile_gather_reuse(self)
-        vae_gather.scope_checkpoint_collectives(self)
+        managed_distributed.scope_remote_code(self.model)
 
     setattr(__init__, _HOOK_MARK, True)
     adapter.__init__ = __init__

@@ -123,8 +123,6 @@ def bits(tensor: torch.Tensor) -> bytes:
 
 def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Callable[[Any], list[torch.Tensor]]]:
     """Each kind as ``run(collectives) -> tensors to compare`` (results, then inputs that must stay untouched)."""
-    from vllm_omni.distributed import managed_distributed
-
     group = dist.group.WORLD
     splits = [1 + (rank + peer) % 3 for peer in range(world)]  # what this rank sends to each peer
     received = [1 + (peer + rank) % 3 for peer in range(world)]
@@ -167,15 +165,10 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
         return [recv, send]
 
     def list_gather(collectives):
-        # managed_distributed's list all_gather, which Ulysses calls, through the collectives under test
-        saved = managed_distributed.platform_collectives
-        managed_distributed.platform_collectives = lambda: collectives
-        try:
-            tensor = data(rank, (2, 5), dtype, salt)
-            outputs = [torch.empty(2, 5, dtype=dtype) for _ in range(world)]
-            managed_distributed.all_gather(outputs, tensor, group=group)
-        finally:
-            managed_distributed.platform_collectives = saved
+        # a list of outputs, as managed_distributed's all_gather hands it on (Ulysses calls that one)
+        tensor = data(rank, (2, 5), dtype, salt)
+        outputs = [torch.empty(2, 5, dtype=dtype) for _ in range(world)]
+        collectives.all_gather_into_tensor(outputs, tensor, group)
         return [*outputs, tensor]
 
     def reduce_scatter(collectives):

@@ -14,15 +14,9 @@ from tests.distributed.collective_ranks import SWITCH_ENV, BackendRecorder, bits
 
 
 def coordinator(rank: int, world: int) -> Any:
-    """A diffusion ``GroupCoordinator`` over every rank; on a released vLLM-Omni, hooked as the plugin does."""
+    """A diffusion ``GroupCoordinator`` over every rank."""
     from vllm_omni.diffusion.distributed import group_coordinator
-    from vllm_omni.distributed import persistent_collectives as pc
-    from vllm_omni.platforms import interface
 
-    if group_coordinator.GroupCoordinator.all_reduce is not pc.coordinator_all_reduce:  # a release, not patch 0002
-        from xpu_collective_memory import request_path
-
-        assert request_path.hook_coordinator(group_coordinator) and request_path.hook_platform(interface)
     return group_coordinator.GroupCoordinator([list(range(world))], rank, "gloo")
 
 
@@ -72,11 +66,11 @@ def eager_checks(rank: int, world: int) -> dict[str, Any]:
 
 def _control_call_keeps_no_block(group: Any) -> bool:
     """A collective on the coordinator's gloo group runs plain: no block appears for it, and it reduces."""
-    from vllm_omni.distributed import managed_distributed, persistent_collectives
+    from vllm_omni.distributed import persistent_collectives
 
     collectives, tensor = persistent_collectives.platform_collectives(), torch.ones(3)
     before = collectives.stats()["blocks"]
-    managed_distributed.all_reduce(tensor, group=group.cpu_group)
+    collectives.all_reduce(tensor, group.cpu_group)
     return collectives.stats()["blocks"] == before and tensor.tolist() == [group.world_size] * 3
 
 

@@ -6,6 +6,7 @@ through it, eager and compiled, with ``torch.distributed`` itself as the oracle.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -141,6 +142,47 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             report[f"{backend}{switch}"] = run_switched(switch, compiled, inputs)
             report[f"{backend}_breaks{switch}"] = sum(counters["graph_break"].values())
     report["oracle"], report["extras_oracle"] = oracle, extras_oracle
+    report["non_member_point_to_point"] = non_member_point_to_point(rank, world)
     os.environ[SWITCH_ENV] = "0"
     dist.barrier()
     return report
+
+
+def non_member_point_to_point(rank: int, world: int) -> dict[str, Any]:
+    """Point-to-point calls through ``managed_distributed`` on a group this rank is not in, beside torch's own: what
+    each returns or raises (a member of the group calls nothing)."""
+    from vllm_omni.distributed import managed_distributed
+
+    pair = dist.new_group([0, 2])
+    report: dict[str, Any] = {}
+    if rank in (0, 2):
+        dist.barrier()
+        return report
+    saved, os.environ[SWITCH_ENV] = os.environ.get(SWITCH_ENV), "1"
+    try:
+        for name, d in (("plain", dist), ("staged", managed_distributed)):
+            report[name] = _point_to_point_outcomes(d, data(rank, (2, 3), torch.float32, salt=7), pair)
+            report[name]["untouched"] = report[name].pop("tensor") == bits(data(rank, (2, 3), torch.float32, salt=7))
+    finally:
+        os.environ.pop(SWITCH_ENV) if saved is None else os.environ.__setitem__(SWITCH_ENV, saved)
+    dist.barrier()
+    return report
+
+
+def _point_to_point_outcomes(d: Any, tensor: torch.Tensor, group: Any) -> dict[str, Any]:
+    calls = {
+        "isend": lambda: d.isend(tensor, 0, group=group),
+        "irecv": lambda: d.irecv(tensor, 2, group=group),
+        "send": lambda: d.send(tensor, 0, group=group),
+        "recv": lambda: d.recv(tensor, 2, group=group),
+        "batch": lambda: d.batch_isend_irecv([d.P2POp(d.isend, tensor, 0, group)]),
+    }
+    return {**{kind: _returned(call) for kind, call in calls.items()}, "tensor": bits(tensor)}
+
+
+def _returned(call: Callable) -> str:
+    """What a call returned (its repr), or the error's type and message."""
+    try:
+        return f"returned {call()!r}"
+    except Exception as error:  # noqa: BLE001 - compared: the staged call must raise what the plain one raises
+        return f"{type(error).__name__}: {error}"

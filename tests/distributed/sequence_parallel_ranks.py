@@ -16,14 +16,11 @@ from tests.distributed.collective_ranks import SWITCH_ENV, bits, data, run_switc
 
 
 def _comm() -> Any:
-    """``comm`` with ``managed_distributed`` as its ``dist``: its own in a patched tree, bound as the plugin does."""
+    """``comm``, whose ``dist`` is ``managed_distributed``."""
     from vllm_omni.diffusion.distributed import comm
     from vllm_omni.distributed import managed_distributed
 
-    if comm.dist is not managed_distributed:  # a release, not patch 0002
-        from xpu_collective_memory import request_path
-
-        assert request_path.rebind_module(comm)
+    assert comm.dist is managed_distributed, comm.dist
     return comm
 
 

@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """Every collective ``managed_distributed`` stages, as a request-path module calls it, on four gloo ranks: eager and
-compiled whole-graph (Inductor and ``aot_eager``, dynamic shapes), with ``torch.distributed`` as the oracle."""
+compiled whole-graph (Inductor and ``aot_eager``, dynamic shapes), with ``torch.distributed`` as the oracle; and in
+pool mode, torch's own on every rank (the pool is the CPU test platform's stand-in for ``torch.xpu``'s)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.distributed import managed_ranks
+from tests.distributed import managed_ranks, pool_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
@@ -64,3 +65,36 @@ def test_what_staging_leaves_to_torch_or_must_answer_alike_gives_torchs_answers(
 def test_async_calls_are_torchs_own_with_staging_off_and_a_finished_work_with_it_on(reports):
     # Off (CUDA, or the switch at 0), async_op=True keeps torch's overlap; on, the call has run when it returns.
     assert all(r["edges0"]["torchs_work"] and not r["edges1"]["torchs_work"] for r in reports)
+
+
+def test_point_to_point_on_a_group_this_rank_is_not_in_returns_or_raises_what_plain_does(reports):
+    # isend, irecv and recv return what torch's do; send raises torch's ValueError; the tensor is left alone.
+    for rank, report in enumerate(checks["non_member_point_to_point"] for checks in reports):
+        if rank not in (0, 2):
+            assert report["staged"] == report["plain"], rank
+            assert report["plain"]["untouched"] and report["plain"]["send"].startswith("ValueError"), report
+
+
+@pytest.fixture(scope="module")
+def pool_reports():
+    return results_or_raise(run_ranks(pool_ranks.checks, WORLD, timeout_s=600), WORLD)
+
+
+@pytest.mark.parametrize("run", ["in_request", "outside_request", "in_request_again"])
+def test_ranks_that_disagree_on_where_a_tensor_lives_run_the_same_wire_collectives_with_plains_bits(pool_reports, run):
+    # Rank 0 hands over the request's tensors, the others tensors made before it; every call is three times the cap.
+    assert all(report[run]["equal"] for report in pool_reports)
+    assert len({tuple(report[run]["calls"]) for report in pool_reports}) == 1, [r[run]["calls"] for r in pool_reports]
+    assert len(pool_reports[0][run]["calls"]) == 7  # one backend call per collective: nothing chunked
+
+
+@pytest.mark.parametrize("run", ["in_request", "outside_request", "in_request_again"])
+def test_pool_mode_stages_nothing_makes_no_block_and_never_asks_the_pool_what_it_holds(pool_reports, run):
+    for report in pool_reports:
+        assert report["snapshots"] == 0
+        stats = report[run]["stats"]
+        assert not report[run]["staged"] and stats["staged_calls"] == stats["blocks"] == stats["staged_bytes"] == 0
+
+
+def test_every_rank_made_one_pool_and_entered_it_for_each_request(pool_reports):
+    assert [(r["pools_made"], r["pool_requests"], r["active_after"]) for r in pool_reports] == [(1, 2, False)] * WORLD

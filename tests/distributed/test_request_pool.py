@@ -1,9 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Pool mode: the switch, the worker's request pool, what it refuses, and its collectives, torch's own on every
-rank, with the plain collectives as the oracle. The pool API is the CPU test platform's stand-in for
-``torch.xpu``'s (no XPU or caching allocator here): these tests prove when the pool is in use, on which device, and
-what reaches the backend, not where the allocator puts memory."""
+"""Pool mode: the switch, the worker's request pool and what it refuses. The pool API is the CPU test platform's
+stand-in for ``torch.xpu``'s (no XPU or caching allocator here): these tests prove when the pool is in use and on
+which device, not where the allocator puts memory."""
 
 from __future__ import annotations
 
@@ -14,14 +13,10 @@ import pytest
 import torch
 
 from tests.distributed import mem_pool_stand_in as mem_pool
-from tests.distributed import pool_ranks
-from tests.distributed.ranks import results_or_raise, run_ranks
-from vllm_omni.distributed import persistent_collectives as pc
 from vllm_omni.distributed import request_pool
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
 
-WORLD = 4
 CPU = torch.device("cpu")
 
 
@@ -31,18 +26,11 @@ def pool():
 
 
 def test_the_switch_takes_pool_and_names_it_among_the_values_it_expects(monkeypatch):
-    monkeypatch.setenv(pc.SWITCH_ENV, " Pool ")
-    assert pc.switch_mode() == "pool"
-    monkeypatch.setenv(pc.SWITCH_ENV, "pools")
+    monkeypatch.setenv(request_pool.SWITCH_ENV, " Pool ")
+    assert request_pool.switch_mode() == "pool"
+    monkeypatch.setenv(request_pool.SWITCH_ENV, "pools")
     with pytest.raises(ValueError, match=r"VLLM_OMNI_PERSISTENT_COLLECTIVES='pools' is not valid; .*'pool'"):
-        pc.switch_mode()
-
-
-def test_pool_mode_picks_torchs_own_collectives_on_any_platform_and_auto_stays_staging(monkeypatch):
-    monkeypatch.setenv(pc.SWITCH_ENV, "pool")
-    assert not pc.collectives_for("xpu").staged and not pc.collectives_for("cpu").staged
-    monkeypatch.setenv(pc.SWITCH_ENV, "auto")
-    assert pc.collectives_for("xpu").staged
+        request_pool.switch_mode()
 
 
 def test_pool_mode_refuses_a_torch_whose_device_module_has_no_mem_pool_naming_the_version():
@@ -103,28 +91,3 @@ def test_the_worker_pool_is_made_once_and_outside_pool_mode_requests_run_in_no_p
     first = request_pool.open_worker_pool(platform)  # the platform's current device, as the worker sets it
     assert request_pool.open_worker_pool(platform, "cpu") is first and mem_pool.MemPool.made == made + 1
     assert first.device == CPU
-
-
-@pytest.fixture(scope="module")
-def reports():
-    return results_or_raise(run_ranks(pool_ranks.checks, WORLD, timeout_s=600), WORLD)
-
-
-@pytest.mark.parametrize("run", ["in_request", "outside_request", "in_request_again"])
-def test_ranks_that_disagree_on_where_a_tensor_lives_run_the_same_wire_collectives_with_plains_bits(reports, run):
-    # Rank 0 hands over the request's tensors, the others tensors made before it; every call is three times the cap.
-    assert all(report[run]["equal"] for report in reports)
-    assert len({tuple(report[run]["calls"]) for report in reports}) == 1, [r[run]["calls"] for r in reports]
-    assert len(reports[0][run]["calls"]) == 7  # one backend call per collective: nothing chunked
-
-
-@pytest.mark.parametrize("run", ["in_request", "outside_request", "in_request_again"])
-def test_pool_mode_stages_nothing_makes_no_block_and_never_asks_the_pool_what_it_holds(reports, run):
-    for report in reports:
-        assert report["snapshots"] == 0
-        stats = report[run]["stats"]
-        assert not report[run]["staged"] and stats["staged_calls"] == stats["blocks"] == stats["staged_bytes"] == 0
-
-
-def test_every_rank_made_one_pool_and_entered_it_for_each_request(reports):
-    assert [(r["pools_made"], r["pool_requests"], r["active_after"]) for r in reports] == [(1, 2, False)] * WORLD

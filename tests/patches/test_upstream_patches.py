@@ -1,20 +1,23 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""The upstream patches against a pristine vLLM-Omni 0.30.0 package tree, fetched from the package index.
+"""The upstream series against a pristine vLLM-Omni 0.30.0 package tree, fetched from the package index.
 
-They must apply, carry this checkout's files as they are now, and pass the patches' own tests and the
-``vllm-omni serve`` test in that tree with this project's plugin switched off: the adapter, the coordinator, the
-platform and the request path's modules make the fixes there themselves.
+Each prefix must apply and pass its last patch's own tests there, with this project's plugin off, and those tests
+must fail on the prefix before it; the whole series must serve and leave no collective site unrouted. The series
+must read as one change: no patch rewrites what an earlier one added, each owns its new files whole as this
+checkout has them, nothing it carries imports this project, and ``regenerate`` gives back the same patches.
 """
 
 from __future__ import annotations
 
+import re
 from importlib.metadata import version
 
 import pytest
 
 from tests.utils import REPO_ROOT
 from tooling import upstream_patches
+from tooling.upstream_patches import SERIES, added_lines, message
 from xpu_collective_memory import reach
 
 pytestmark = [
@@ -30,29 +33,61 @@ pytestmark = [
 
 ADAPTER = "vllm_omni/diffusion/models/minimax_h3/vae.py"
 WORKER = "vllm_omni/diffusion/worker/diffusion_worker.py"
+COORDINATOR = "vllm_omni/diffusion/distributed/group_coordinator.py"
+HSDP = "vllm_omni/diffusion/distributed/hsdp.py"
+PATCHES = upstream_patches.patch_files()
+PREFIXES = [pytest.param(length, id=f"{length:04d}") for length in range(1, len(SERIES) + 1)]
 
 
 @pytest.fixture(scope="module")
-def patched(tmp_path_factory):
-    tree = upstream_patches.pristine_tree(tmp_path_factory.mktemp("vllm-omni-0.30.0"))
-    upstream_patches.apply_patches(tree, upstream_patches.patch_files())
-    return tree
+def whole(tmp_path_factory):
+    return upstream_patches.prefix_tree(tmp_path_factory.mktemp("whole"), len(SERIES))
 
 
-def test_the_adapter_installs_the_fix_itself_and_keeps_none_of_its_own_override(patched):
-    adapter = (patched / ADAPTER).read_text()
-    assert "from .vae_gather import install_tile_gather_reuse" in adapter
-    assert adapter.count("install_tile_gather_reuse(self)") == 1
+def test_the_series_is_five_patches_gather_pool_staging_kinds_rule_in_review_order():
+    subjects = [re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", p.read_text(), re.M).group(1) for p in PATCHES]
+    expected = ("[MiniMax-H3] Keep the VAE tile gather", "[XPU] Pool mode", "[XPU] Staged collectives at the coord",
+                "[XPU] Every collective kind", "[XPU] Every diffusion module")  # fmt: skip
+    assert all(e in s for e, s in zip(expected, subjects, strict=True)), subjects
+
+
+@pytest.mark.parametrize("length", PREFIXES)
+def test_each_prefix_applies_to_the_pristine_tree_and_passes_its_last_patchs_own_tests(tmp_path, length):
+    tree = upstream_patches.prefix_tree(tmp_path / "tree", length)
+    assert upstream_patches.run_patch_tests(tree, length - 1) == 0
+
+
+@pytest.mark.parametrize("length", PREFIXES)
+def test_each_patchs_tests_fail_on_the_prefix_before_it(tmp_path, length):
+    tree = upstream_patches.prefix_tree(tmp_path / "tree", length - 1)
+    for relative in SERIES[length - 1].owns:  # the patch's tests, without its code
+        if relative.startswith("tests/"):
+            (tree / relative).parent.mkdir(parents=True, exist_ok=True)
+            (tree / relative).write_bytes((REPO_ROOT / relative).read_bytes())
+    # 1: a test failed; 2: collection failed (what it imports is not there). Never 4 or 5 (no tests found).
+    assert upstream_patches.run_patch_tests(tree, length - 1, "-x", "-p", "no:warnings") in (1, 2)
+
+
+def test_the_whole_series_serves_minimax_h3_and_wan2_2_with_the_plugin_off(whole):
+    assert upstream_patches.run_checkout_tests(whole) == 0
+
+
+def test_every_collective_site_of_the_patched_tree_is_routed_or_reviewed_without_the_plugin(whole, capsys):
+    assert reach.main(["--tree", str(whole / "vllm_omni" / "diffusion"), "--without-plugin"]) == 0, (
+        capsys.readouterr().err
+    )
+
+
+def test_the_adapter_installs_the_gather_and_scopes_its_remote_code_and_keeps_none_of_its_override(whole):
+    adapter = (whole / ADAPTER).read_text()
+    assert "from .vae_gather import install_tile_gather_reuse\n" in adapter
+    assert adapter.count("install_tile_gather_reuse(self)") == adapter.count("scope_remote_code(self.model)") == 1
     for removed in ("_persistent_tile_gather", "_tile_gather_workspace", "_tile_gather_reuse_enabled"):
         assert removed not in adapter
 
 
-COORDINATOR = "vllm_omni/diffusion/distributed/group_coordinator.py"
-HSDP = "vllm_omni/diffusion/distributed/hsdp.py"
-
-
-def test_the_coordinator_routes_its_collectives_through_the_platform_and_registers_every_instance(patched):
-    coordinator = (patched / COORDINATOR).read_text()
+def test_the_coordinator_routes_its_collectives_through_the_platform_and_registers_every_instance(whole):
+    coordinator = (whole / COORDINATOR).read_text()
     for name in ("all_reduce", "all_gather", "broadcast"):
         assert f"    {name} = persistent_collectives.coordinator_{name}\n" in coordinator
         assert f"    def {name}(" not in coordinator
@@ -60,63 +95,69 @@ def test_the_coordinator_routes_its_collectives_through_the_platform_and_registe
     assert coordinator.count("persistent_collectives.register_coordinator(self)") == 2
 
 
-def test_every_collective_site_of_the_patched_tree_is_routed_or_reviewed_without_the_plugin(patched, capsys):
-    assert reach.main(["--tree", str(patched / "vllm_omni" / "diffusion"), "--without-plugin"]) == 0, (
-        capsys.readouterr().err
-    )
+def test_hsdp_shards_with_the_persistent_fully_shard(whole):
+    assert "from vllm_omni.distributed.persistent_fsdp import fully_shard" in (whole / HSDP).read_text()
 
 
-def test_hsdp_shards_with_the_persistent_fully_shard(patched):
-    assert "from vllm_omni.distributed.persistent_fsdp import fully_shard" in (patched / HSDP).read_text()
-
-
-def test_the_worker_starts_and_loads_with_plain_collectives_and_installs_nothing_process_wide(patched):
-    worker = (patched / WORKER).read_text()
-    assert worker.count("persistent_collectives.unstaged()") == 2  # around init_device, inside load_model
+def test_the_worker_opens_its_pool_on_its_device_and_starts_and_loads_with_plain_collectives(whole):
+    worker = (whole / WORKER).read_text()
+    assert "request_pool.open_worker_pool(current_omni_platform, self.device)" in worker
+    assert worker.count("request_pool.request_memory()") == 3  # execute_model, _batch, execute_stepwise
+    assert worker.count("unstaged()") == 2  # around init_device, inside load_model
     assert "install_persistent_collectives" not in worker
 
 
-def _added_non_test_lines(patch) -> int:
-    added, current = 0, ""
-    for line in patch.read_text().splitlines():
-        if line.startswith("diff --git "):
-            current = line.split(" b/")[-1]
-        elif (
-            line.startswith("+")
-            and not line.startswith("+++")
-            and line[1:].strip()
-            and not current.startswith("tests/")
-        ):
-            added += 1
-    return added
+def test_no_patch_removes_or_rewrites_a_line_an_earlier_patch_added():
+    added_before: dict[str, set[str]] = {}
+    for patch in PATCHES:
+        lines = added_lines(patch)
+        for key, removed in lines.items():
+            if key.startswith("-"):
+                rewritten = {line for line in removed if line.strip()} & added_before.get(key[1:], set())
+                assert not rewritten, f"{patch.name} rewrites {key[1:]}: {sorted(rewritten)[:3]}"
+        for key, added in lines.items():
+            if not key.startswith("-"):
+                added_before.setdefault(key, set()).update(added)
 
 
-@pytest.mark.parametrize("index", range(len(upstream_patches.patch_files())))
-def test_each_patch_adds_at_most_360_non_test_lines_so_it_reads_in_one_sitting(index):
-    assert 0 < _added_non_test_lines(upstream_patches.patch_files()[index]) <= 360
-
-
-def test_there_are_nine_patches_vae_whole_request_cost_contract_modules_kinds_errors_pool_order_pool_alone():
-    names = [patch.name for patch in upstream_patches.patch_files()]
-    assert [name[:4] for name in names] == [f"{index:04d}" for index in range(1, 10)]
-    assert "MiniMax-H3" in names[0] and "request-path" in names[1] and "Persistent-collectives-at-the-cost" in names[2]
-    assert "Every-diffusion-module" in names[3] and "Stage-every-collective-kind" in names[4]
-    assert "an-error-frees-its-bl" in names[5] and "Pool-mode" in names[6] and "program-order" in names[7]
-    assert "Pool-mode-on-its-own" in names[8]
-
-
-@pytest.mark.parametrize("relative", upstream_patches.CARRIED)
-def test_the_patch_carries_this_checkouts_file_as_it_is_now(patched, relative):
+@pytest.mark.parametrize("relative", upstream_patches.OWNED)
+def test_each_owned_file_is_added_by_its_patch_alone_as_this_checkout_has_it(whole, relative):
     # A change here that is not in the patch: python -m tooling.upstream_patches regenerate
-    assert (patched / relative).read_bytes() == (REPO_ROOT / relative).read_bytes(), relative
+    touching = [patch.name for patch in PATCHES if f"diff --git a/{relative} b/{relative}\n" in patch.read_text()]
+    owner = next(p for p, spec in zip(PATCHES, SERIES, strict=True) if relative in spec.owns)
+    assert touching == [owner.name] and "new file mode" in owner.read_text().split(f"b/{relative}\n", 1)[1][:40]
+    assert (whole / relative).read_bytes() == (REPO_ROOT / relative).read_bytes(), relative
 
 
-def test_the_patch_tests_and_the_serve_test_pass_in_the_patched_tree_with_the_plugin_off(patched):
-    assert upstream_patches.run_against(patched) == 0
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name[:4])
+def test_nothing_a_patch_carries_imports_this_projects_own_packages(patch):
+    own = re.compile(r"^\s*(from|import)\s+(xpu_collective_memory|tooling|benchmarks)\b")
+    assert not [line for lines in added_lines(patch).values() for line in lines if own.match(line)]
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name[:4])
+def test_each_patch_adds_at_most_400_non_test_lines_or_its_message_says_why(patch):
+    count = upstream_patches.added_non_test_lines(patch)
+    assert count > 0
+    assert count <= upstream_patches.MAX_ADDED or f"## {upstream_patches.LARGER_HEADING}" in message(patch), count
+
+
+@pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name[:4])
+def test_each_message_is_a_pull_request_description_with_its_test_plan_and_what_a_card_must_check(patch):
+    text = message(patch)
+    for heading in ("## Purpose", "## Test Plan", "## Test Result"):
+        assert heading in text, (patch.name, heading)
+    assert "What a card must check" in text and "pytest tests/" in text
+
+
+def test_regenerate_gives_back_the_series_byte_for_byte(tmp_path):
+    written = upstream_patches.regenerate(out=tmp_path)
+    assert [p.name for p in written] == [p.name for p in PATCHES]
+    assert all(new.read_bytes() == old.read_bytes() for new, old in zip(written, PATCHES, strict=True))
 
 
 def test_a_patch_that_no_longer_applies_names_the_file_and_the_hunk(tmp_path):
-    patch = upstream_patches.patch_files()[0]
+    patch = PATCHES[0]
     text = patch.read_text()
     context = "\n         self.device_module = torch.get_device_module()\n"  # a context line of the vae.py hunk
     assert context in text
@@ -125,6 +166,6 @@ def test_a_patch_that_no_longer_applies_names_the_file_and_the_hunk(tmp_path):
     tree = upstream_patches.pristine_tree(tmp_path / "tree")
     with pytest.raises(SystemExit) as failed:
         upstream_patches.apply_patches(tree, [broken])
-    message = str(failed.value)
-    assert message.startswith(f"{patch.name} no longer applies to vLLM-Omni 0.30.0")
-    assert f"patch failed: {ADAPTER}:" in message
+    message_text = str(failed.value)
+    assert message_text.startswith(f"{patch.name} no longer applies to vLLM-Omni 0.30.0")
+    assert f"patch failed: {ADAPTER}:" in message_text

@@ -14,8 +14,12 @@ worker's own do. Any other name or call (uneven or non-contiguous list gathers, 
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 import torch
 import torch.distributed as _dist
+from vllm.logger import init_logger
 
 from . import traced_collectives as traced
 from .persistent_collectives import _gathers_into, _writable, _write, cpu_twin, finished_work, platform_collectives
@@ -28,6 +32,8 @@ STAGED = frozenset(
         "isend", "irecv", "send", "recv", "barrier", "broadcast_object_list", "all_gather_object",
     }
 )  # fmt: skip
+
+logger = init_logger(__name__)
 
 
 def __getattr__(name: str):
@@ -217,3 +223,21 @@ def broadcast_object_list(object_list, src=None, group=None, device=None, group_
 
 def all_gather_object(object_list, obj, group=None):
     return _dist.all_gather_object(object_list, obj, group=_object_group(group))
+
+
+def scope_remote_code(model: Any) -> list[str]:
+    """The loaded modules of ``model``'s package, remote code a checkpoint brings that no change here can edit, get
+    this module for ``torch.distributed`` (torch itself is left alone); returns what it rebound."""
+    package = type(model).__module__.rpartition(".")[0]
+    if model is None or not package:
+        return []
+    this, bound = sys.modules[__name__], []
+    for name, loaded in list(sys.modules.items()):
+        if loaded is not None and name.startswith(f"{package}."):
+            for attribute, value in list(vars(loaded).items()):
+                if value is _dist:
+                    setattr(loaded, attribute, this)
+                    bound.append(f"{name}.{attribute}")
+    if bound:
+        logger.info("[PERSISTENT_COLLECTIVES] remote code's collectives through managed_distributed: %s", bound)
+    return bound

@@ -20,24 +20,14 @@ import torch
 import torch.distributed as dist
 from vllm.logger import init_logger
 
-from . import request_pool
 from .collective_workspaces import ALIGN, GrowOnlyBlock, aligned, resolve_device, synchronize
+from .request_pool import SWITCH_ENV, switch_mode
 
 logger = init_logger(__name__)
 
-SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 CAP_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB"
 DEFAULT_CAP_MIB = 64  # vLLM's symmetric-memory all-reduce stages up to 32-64 MiB
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
-
-
-def switch_mode() -> str:
-    """``VLLM_OMNI_PERSISTENT_COLLECTIVES``: ``auto`` (default: staged on XPU only), ``1`` (staged on any device),
-    ``pool`` (each request in a private memory pool, ``request_pool``; nothing staged) or ``0``."""
-    value = (raw := os.environ.get(SWITCH_ENV, "auto")).strip().lower()
-    if value not in ("auto", "1", request_pool.POOL_MODE, "0"):
-        raise ValueError(f"{SWITCH_ENV}={raw!r} is not valid; expected one of 'auto', '1', 'pool' or '0'")
-    return value
 
 
 def parse_block_cap(raw: str | None) -> int:

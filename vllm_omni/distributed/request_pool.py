@@ -21,7 +21,17 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
+SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 POOL_MODE = "pool"
+
+
+def switch_mode() -> str:
+    """``VLLM_OMNI_PERSISTENT_COLLECTIVES``, one switch for both mechanisms: ``pool`` (this module), ``auto``
+    (default: staged on XPU only, ``persistent_collectives``), ``1`` (staged on any device) or ``0``."""
+    value = (raw := os.environ.get(SWITCH_ENV, "auto")).strip().lower()
+    if value not in ("auto", "1", POOL_MODE, "0"):
+        raise ValueError(f"{SWITCH_ENV}={raw!r} is not valid; expected one of 'auto', '1', 'pool' or '0'")
+    return value
 
 
 def pool_api(platform: Any) -> Any:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -24,7 +23,6 @@ import torch
 import torch.distributed as dist
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import managed_distributed
 from vllm_omni.distributed.collective_workspaces import GrowOnlyBlock, allocate_bytes, resolve_device
 
 logger = init_logger(__name__)
@@ -315,23 +313,3 @@ def remove_tile_gather_reuse(adapter: Any) -> bool:
         gather.release()
         delattr(adapter.model, _GATHER_ATTR)
     return gather is not None
-
-
-def scope_checkpoint_collectives(adapter: Any) -> list[str]:
-    """The checkpoint's own modules get ``managed_distributed`` for ``torch.distributed`` (never torch itself), so
-    its per-clip ``barrier`` reuses a persistent element where the platform keeps blocks; returns what it rebound.
-    """
-    module = type(getattr(adapter, "model", None)).__module__
-    package = module.rpartition(".")[0]
-    if not package:
-        return []
-    bound = []
-    for name, loaded in list(sys.modules.items()):
-        if loaded is not None and name.startswith(f"{package}."):
-            for attribute, value in list(vars(loaded).items()):
-                if value is dist:
-                    setattr(loaded, attribute, managed_distributed)
-                    bound.append(f"{name}.{attribute}")
-    if bound:
-        logger.info("[H3_VAE_GATHER] checkpoint collectives scoped to managed_distributed: %s", ", ".join(bound))
-    return bound
