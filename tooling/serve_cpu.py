@@ -61,7 +61,7 @@ RECEIPTS = {
     "empty_cache": r"\[CPU_TEST_PLATFORM\] empty_cache #",
     "layer_installs": r"\[PERSISTENT_COLLECTIVES\] persistent buffers in use in this process ",
     "dit_compile": r"Regional compilation applied to \d+ module",  # vLLM-Omni's own line: Inductor, lazy
-    "pools_made": r"\[CPU_TEST_PLATFORM\] MemPool \(\d+, \d+\) made ",
+    "pools_made": r"\[MEM_POOL_STAND_IN\] MemPool \(\d+, \d+\) made ",
     "pool_entries": r"\[CPU_TEST_PLATFORM\] MemPool \(\d+, \d+\) in use ",
 }
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"

@@ -36,6 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
 RELEASE = "0.30.0"
 TREE_ENV = "VLLM_OMNI_TEST_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
+DOC = ROOT / "docs" / "contributing" / "upstream_pr.md"  # its section on the series is written from the patches
+DOC_BEGIN = "<!-- The series: written from patches/ by python -m tooling.upstream_patches regenerate. -->"
+DOC_END = "<!-- End of the series. -->"
 MAX_ADDED = 400  # added non-test lines a patch may have; a larger one says why under this heading
 LARGER_HEADING = "Why more than 400 lines"
 
@@ -78,7 +81,7 @@ SERIES = (
         "pool mode: each request of a diffusion worker in one private memory pool",
         (
             "vllm_omni/distributed/request_pool.py",
-            *_under("tests/distributed", "__init__.py", "ranks.py", "mem_pool_stand_in.py", "test_request_pool.py"),
+            *_under("tests/distributed", "__init__.py", "mem_pool_stand_in.py", "test_request_pool.py"),
         ),
     ),
     Patch(
@@ -88,6 +91,7 @@ SERIES = (
             "vllm_omni/distributed/traced_collectives.py",
             *_under(
                 "tests/distributed",
+                "ranks.py",
                 "collective_ranks.py",
                 "contract_ranks.py",
                 "coordinator_ranks.py",
@@ -119,6 +123,9 @@ SERIES = (
     ),
 )
 OWNED = tuple(path for patch in SERIES for path in patch.owns)
+# This project's CPU test platform (tests/cpu_platform): its plugins and the variable that turns it on.
+TEST_PLATFORM = ("cpu_test", "cpu_test_workarounds")
+TEST_PLATFORM_ENV = "VLLM_OMNI_CPU_TEST_PLATFORM"
 # Run from this checkout against the whole series: they need the project's synthetic pipelines.
 CHECKOUT_TESTS = ("tests/e2e/test_minimax_h3_serve_cpu.py", "tests/e2e/test_wan2_2_serve_cpu.py")
 # The tree has no pytest configuration of its own; upstream's registers these markers.
@@ -180,15 +187,15 @@ def pristine_tree(dest: Path) -> Path:
 
 
 def apply_patches(tree: Path, patches: list[Path]) -> None:
-    """``git apply --check`` then ``git apply`` each patch in order, one commit each; a patch that no longer applies
-    stops here, with git's own lines naming the file and the hunk."""
+    """``git apply --check`` then ``git am`` each patch in order, a commit with its message each (so the tree is a
+    source for ``regenerate --tree``); a patch that no longer applies stops here, with git's own lines naming the
+    file and the hunk."""
     for patch in patches:
         checked = _git(tree, "apply", "--check", "-v", str(patch))
         if checked.returncode != 0:
             failed = "\n".join(line for line in checked.stderr.splitlines() if line.startswith("error"))
             raise SystemExit(f"{patch.name} no longer applies to vLLM-Omni {RELEASE}:\n{failed}")
-        _git_ok(tree, "apply", "--index", str(patch))
-        _git_ok(tree, "commit", "-q", "-m", f"apply {patch.name}")
+        _git_ok(tree, "am", "-q", "--keep-non-patch", str(patch))
 
 
 def regenerate(source: Path | None = None, out: Path = PATCHES) -> list[Path]:
@@ -198,8 +205,7 @@ def regenerate(source: Path | None = None, out: Path = PATCHES) -> list[Path]:
     with tempfile.TemporaryDirectory() as scratch:
         tree = Path(scratch) / "series"
         if source is None:
-            pristine_tree(tree)
-            _git_ok(tree, "am", "-q", "--keep-non-patch", *map(str, patch_files()))
+            apply_patches(pristine_tree(tree), patch_files())
         else:
             _git_ok(Path(scratch), "clone", "-q", str(source.resolve()), str(tree))
         commits = _git_ok(tree, "rev-list", "--reverse", "HEAD").split()[1:]
@@ -223,8 +229,9 @@ def regenerate(source: Path | None = None, out: Path = PATCHES) -> list[Path]:
         return [Path(line) for line in written.splitlines()]
 
 
-def plugins_without_ours() -> str:
-    """``VLLM_PLUGINS`` that loads every installed plugin but this project's fix."""
+def plugins_without_ours(*, test_platform: bool = True) -> str:
+    """``VLLM_PLUGINS`` that loads every installed plugin but this project's fix (and, with ``test_platform=False``,
+    but its CPU test platform too)."""
     groups = (
         "vllm.general_plugins",
         "vllm.platform_plugins",
@@ -232,16 +239,21 @@ def plugins_without_ours() -> str:
         "vllm_omni.platform_plugins",
     )
     ours = {PLUGIN, *(old for old, new in ENTRY_POINTS.items() if new == PLUGIN)}
+    if not test_platform:
+        ours |= set(TEST_PLATFORM)
     names = {ep.name for group in groups for ep in entry_points(group=group)} - ours
     return ",".join(sorted(names))
 
 
-def _tree_env(tree: Path) -> dict[str, str]:
-    return os.environ | {
+def _tree_env(tree: Path, *, test_platform: bool) -> dict[str, str]:
+    env = os.environ | {
         "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        "VLLM_PLUGINS": plugins_without_ours(),
+        "VLLM_PLUGINS": plugins_without_ours(test_platform=test_platform),
         TREE_ENV: str(tree),
     }
+    if not test_platform:
+        env.pop(TEST_PLATFORM_ENV, None)
+    return env
 
 
 def prefix_tree(dest: Path, length: int) -> Path:
@@ -251,18 +263,21 @@ def prefix_tree(dest: Path, length: int) -> Path:
 
 
 def run_patch_tests(tree: Path, index: int, *pytest_args: str) -> int:
-    """Patch ``index``'s own tests (0-based) in ``tree``, with that tree first and the plugin off."""
+    """Patch ``index``'s own tests (0-based) in ``tree``, with that tree first, the plugin and the CPU test platform
+    off: what upstream runs them with."""
     (tree / "pytest.ini").write_text(PYTEST_INI)
     targets = SERIES[index].tests
     print(f"[upstream] patch {index + 1}: pytest {' '.join(targets)} in {tree}", file=sys.stderr, flush=True)
     command = [sys.executable, "-m", "pytest", *pytest_args, *targets]
-    return subprocess.run(command, cwd=tree, env=_tree_env(tree)).returncode
+    return subprocess.run(command, cwd=tree, env=_tree_env(tree, test_platform=False)).returncode
 
 
 def run_checkout_tests(tree: Path) -> int:
-    """The serve tests from this checkout against the whole series' ``tree``, plugin off."""
+    """The serve tests from this checkout against the whole series' ``tree``, plugin off (they serve on CPU ranks
+    through the CPU test platform)."""
     print(f"[upstream] pytest {' '.join(CHECKOUT_TESTS)} against {tree}", file=sys.stderr, flush=True)
-    return subprocess.run([sys.executable, "-m", "pytest", *CHECKOUT_TESTS], cwd=ROOT, env=_tree_env(tree)).returncode
+    command = [sys.executable, "-m", "pytest", *CHECKOUT_TESTS]
+    return subprocess.run(command, cwd=ROOT, env=_tree_env(tree, test_platform=True)).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.action == "regenerate":
         for written in regenerate(args.tree):
             print(f"[upstream] wrote {written.relative_to(ROOT)}")
+        write_series_doc()
+        print(f"[upstream] wrote the series' section of {DOC.relative_to(ROOT)}")
         return 0
     prefixes = [args.prefix] if args.prefix is not None else list(range(1, len(SERIES) + 1))
     if not all(1 <= length <= len(SERIES) for length in prefixes):
@@ -316,6 +333,57 @@ def message(patch: Path) -> str:
     """The patch's commit message (its pull request's description)."""
     text = patch.read_text()
     return re.split(r"\n---\n", text.split("\n\n", 1)[1], maxsplit=1)[0]
+
+
+def subject(patch: Path) -> str:
+    """The patch's title, as a pull request's."""
+    found = re.search(r"^Subject: \[PATCH[^\]]*\] (.*(?:\n .*)*)$", patch.read_text(), re.M)
+    if found is None:
+        raise SystemExit(f"{patch.name}: no Subject line")
+    return " ".join(found.group(1).split())
+
+
+def _files(patch: Path) -> list[tuple[str, int, int, bool]]:
+    """Each file the patch touches, in its order: lines added, lines removed, whether the patch creates it."""
+    rows: list[list] = []
+    for line in patch.read_text().split("\n"):
+        if line.startswith("diff --git "):
+            rows.append([line.split(" b/", 1)[-1], 0, 0, False])
+        elif not rows:
+            continue
+        elif line.startswith("new file mode"):
+            rows[-1][3] = True
+        elif line.startswith("+") and not line.startswith("+++ "):
+            rows[-1][1] += 1
+        elif line.startswith("-") and not line.startswith("--- "):
+            rows[-1][2] += 1
+    return [tuple(row) for row in rows]
+
+
+def series_section(patches: list[Path]) -> str:
+    """The series as ``DOC`` lists it: per patch in review order, its title, size, tests and files."""
+    parts = [DOC_BEGIN]
+    for number, (patch, spec) in enumerate(zip(patches, SERIES, strict=True), start=1):
+        parts += [
+            f"### {number}. {subject(patch)}",
+            "",
+            f"`patches/{patch.name}`: {added_non_test_lines(patch)} added non-test lines; {spec.topic}. Its own "
+            f"tests, on patches 1-{number}: `python -m tooling.upstream_patches test --prefix {number}` "
+            f"(`pytest {' '.join(spec.tests)}`).",
+            "",
+            "| file | added | removed |",
+            "| --- | --- | --- |",
+            *(f"| `{name}`{' (new)' * new} | {added} | {removed} |" for name, added, removed, new in _files(patch)),
+            "",
+        ]
+    return "\n".join([*parts, DOC_END])
+
+
+def write_series_doc() -> None:
+    text = DOC.read_text()
+    before, rest = text.split(DOC_BEGIN, 1)
+    after = rest.split(DOC_END, 1)[1]
+    DOC.write_text(before + series_section(patch_files()) + after)
 
 
 if __name__ == "__main__":

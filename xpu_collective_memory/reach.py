@@ -210,7 +210,8 @@ def _routes(site: Site, ruled: bool, staged: frozenset[str]) -> str | None:
 
 def verdicts(sites: list[Site], ruled: bool, coordinator_owned: bool) -> list[Verdict]:
     """Each site's status. ``ruled``: the plugin's rule routes the tree (else only its own imports do);
-    ``coordinator_owned``: the coordinator's own collectives are the persistent ones (the plugin, or patch 0002)."""
+    ``coordinator_owned``: the coordinator's own collectives are the persistent ones (the plugin, or the series'
+    patch 3)."""
     from vllm_omni.distributed.managed_distributed import STAGED
 
     from .request_path import COORDINATOR_OWNED, OWN_BLOCKS

@@ -124,7 +124,7 @@ def _registering(original):
 
 
 def hook_platform(module: ModuleType) -> bool:
-    """``OmniPlatform.collectives()``, as patch 0002 adds it."""
+    """``OmniPlatform.collectives()``, as the series' patch 3 adds it."""
     cls = getattr(module, "OmniPlatform", None)
     if not isinstance(cls, type):
         logger.warning("[XPU_COLLECTIVE_MEMORY] %s has no OmniPlatform; left as released", module.__name__)

@@ -133,6 +133,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         with torch.inference_mode(), recorder:
             report[f"extras{switch}"] = [bits(t) for t in eager_extras(managed_distributed, rank, world)]
         report[f"extras_unmanaged{switch}"] = recorder.summary()[0]["unmanaged"]
+        report[f"extras_calls{switch}"] = [name for name, _ in recorder.requests[0]]
         report[f"edges{switch}"] = edge_cases(managed_distributed, rank, world, pair)
     for backend in ("aot_eager", "inductor"):
         torch._dynamo.reset()

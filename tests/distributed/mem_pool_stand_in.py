@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """A stand-in for ``torch.xpu``'s ``MemPool`` and ``use_mem_pool``, for CPU ranks: CPU has no caching allocator,
 so nothing can route an allocation into a pool here. It proves where the pool is used, not where memory lands.
-The CPU test platform installs this file as ``vllm_omni_cpu_test_platform.mem_pool`` for served workers.
+A test platform may hand it to served workers as its pool API (``mem_pool_api()``).
 
 Its pool holds what a request makes: a tensor whose storage was not alive when the request began, unless it was
 made in an earlier request. ``snapshot()`` gives that as segments, the address gaps between the storages alive
@@ -21,7 +21,7 @@ import threading
 import torch
 from vllm.logger import init_logger
 
-logger = init_logger("vllm_omni.cpu_test_platform")  # its served workers' receipts
+logger = init_logger("vllm_omni.mem_pool_stand_in")  # what a served worker did, for its test to read
 
 _ids = itertools.count(1)
 _END = 1 << 64
@@ -58,7 +58,7 @@ class MemPool:
         self.snapshots = 0  # walks of the pool's segments (the XPU allocator's take its lock)
         self._outside: dict[int, int] = {}
         self._own: set[int] = set()
-        logger.info("[CPU_TEST_PLATFORM] MemPool %s made pid=%d (pools made: %d)", self.id, os.getpid(), MemPool.made)
+        logger.info("[MEM_POOL_STAND_IN] MemPool %s made pid=%d (pools made: %d)", self.id, os.getpid(), MemPool.made)
 
     def snapshot(self) -> list[dict[str, int]]:
         self.snapshots += 1
@@ -77,7 +77,7 @@ class MemPool:
         live = _live_storages()
         self._outside = {address: n for address, n in live.items() if address not in self._own}
         self.depth, self.entries, self.thread = self.depth + 1, self.entries + 1, threading.get_ident()
-        logger.info("[CPU_TEST_PLATFORM] MemPool %s in use pid=%d (entry %d)", self.id, os.getpid(), self.entries)
+        logger.info("[MEM_POOL_STAND_IN] MemPool %s in use pid=%d (entry %d)", self.id, os.getpid(), self.entries)
 
     def _exit(self) -> None:
         self._own = {address for address in _live_storages() if address not in self._outside}

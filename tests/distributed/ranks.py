@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """Start real ``torch.distributed`` ranks (gloo on CPU) as spawned processes and collect what each reports.
 
-Self-contained (torch only), so that the upstream patch carries it with the tests that use it.
+Self-contained (torch only): the tests that use it need nothing else to start their ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-PREPARE: Callable[[], None] | None = None  # run first in every rank unless a call names its own (a conftest sets it)
+PREPARE: Callable[[], None] | None = None  # run first in every rank unless a call names its own
 
 
 def free_port() -> int:

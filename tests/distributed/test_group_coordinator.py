@@ -1,9 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""vLLM-Omni's diffusion ``GroupCoordinator`` through the platform's collectives, on gloo ranks, eager and compiled.
-
-On a released vLLM-Omni the coordinator is hooked as the plugin hooks it; in a tree with patch 0002 it is its own.
-"""
+"""vLLM-Omni's diffusion ``GroupCoordinator`` through the platform's collectives, on gloo ranks, eager and compiled."""
 
 from __future__ import annotations
 
@@ -14,17 +11,15 @@ from tests.distributed.ranks import results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
 
-ENV = {"VLLM_OMNI_CPU_TEST_PLATFORM": "1"}  # the coordinator asks the platform for its device
-
 
 @pytest.fixture(scope="module")
 def eager():
-    return results_or_raise(run_ranks(coordinator_ranks.eager_checks, 4, timeout_s=600, env=ENV), 4)
+    return results_or_raise(run_ranks(coordinator_ranks.eager_checks, 4, timeout_s=600), 4)
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    return results_or_raise(run_ranks(coordinator_ranks.compile_checks, 2, timeout_s=900, env=ENV), 2)
+    return results_or_raise(run_ranks(coordinator_ranks.compile_checks, 2, timeout_s=900), 2)
 
 
 def test_every_collective_of_the_coordinator_gives_the_plain_bits_with_persistent_buffers(eager):
@@ -77,7 +72,7 @@ def test_compiled_the_all_reduce_of_a_strided_view_lands_in_the_view_with_the_ea
 
 
 def test_compiled_with_staging_off_the_all_reduce_runs_on_the_tensor_itself_with_no_copy_around_it():
-    reports = results_or_raise(run_ranks(coordinator_ranks.in_place_checks, 2, timeout_s=600, env=ENV), 2)
+    reports = results_or_raise(run_ranks(coordinator_ranks.in_place_checks, 2, timeout_s=600), 2)
     for report in reports:
         assert report["intermediate"]["ops"] == report["graph_input"]["ops"] == 1
         assert report["intermediate"]["copies"] == report["graph_input"]["copies"] == []

@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """Every collective ``managed_distributed`` stages, as a request-path module calls it, on four gloo ranks: eager and
 compiled whole-graph (Inductor and ``aot_eager``, dynamic shapes), with ``torch.distributed`` as the oracle; and in
-pool mode, torch's own on every rank (the pool is the CPU test platform's stand-in for ``torch.xpu``'s)."""
+pool mode, torch's own on every rank (the pool a stand-in for ``torch.xpu``'s)."""
 
 from __future__ import annotations
 
@@ -52,6 +52,13 @@ def test_staged_the_backend_is_handed_only_blocks_and_plain_it_is_handed_the_cal
 
 def test_staged_async_and_point_to_point_calls_hand_the_backend_only_blocks(reports):
     assert all(report["extras_unmanaged0"] > 0 and report["extras_unmanaged1"] == 0 for report in reports)
+
+
+def test_point_to_point_calls_are_torchs_own_with_staging_off_and_staged_batches_with_it_on(reports):
+    # Off, a send is torch's send, not a batch: NCCL wants every rank in a group's first batch.
+    for report in reports:
+        assert report["extras_calls0"] == ["all_reduce"], report["extras_calls0"]
+        assert report["extras_calls1"] == ["all_reduce", *["batch_isend_irecv"] * 4], report["extras_calls1"]
 
 
 @pytest.mark.parametrize("switch", ["0", "1"])

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Pool mode: the switch, the worker's request pool and what it refuses. The pool API is the CPU test platform's
-stand-in for ``torch.xpu``'s (no XPU or caching allocator here): these tests prove when the pool is in use and on
-which device, not where the allocator puts memory."""
+"""Pool mode: the switch, the worker's request pool and what it refuses. The pool API is a stand-in for
+``torch.xpu``'s (``mem_pool_stand_in``; no XPU or caching allocator here): these tests prove when the pool is in
+use and on which device, not where the allocator puts memory."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 """Ulysses' all-to-all and Ring's exchange through persistent buffers in compiled code, on gloo ranks.
 
 Wan2.2 runs both inside its regionally compiled transformer blocks; the eager module with the switch off is the
-oracle. On a released vLLM-Omni ``comm`` is bound as the plugin binds it; in a tree with patch 0002 it is its own.
+oracle.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from tests.distributed.ranks import results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
 
-ENV = {"VLLM_OMNI_CPU_TEST_PLATFORM": "1"}
 CASES = [f"{pattern}/{backend}" for pattern in ("ulysses", "ring") for backend in ("aot_eager", "inductor")]
 
 
 @pytest.fixture(scope="module")
 def compiled():
-    return results_or_raise(run_ranks(sequence_parallel_ranks.compile_checks, 2, timeout_s=900, env=ENV), 2)
+    return results_or_raise(run_ranks(sequence_parallel_ranks.compile_checks, 2, timeout_s=900), 2)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -80,7 +80,7 @@ def test_every_worker_and_only_workers_staged_its_collectives_through_persistent
     layer = serve_cpu.receipt_pids(fix_on["log"], "layer_installs")
     workers = serve_cpu.receipt_pids(fix_on["log"], "installs")  # the VAE gather's install: worker processes only
     assert len(workers) == serve_cpu.WORLD and all(layer[pid] == 1 for pid in workers), (layer, workers)
-    assert sum(layer.values()) == serve_cpu.WORLD  # diffusion workers only, with the plugin as in patch 0002
+    assert sum(layer.values()) == serve_cpu.WORLD  # diffusion workers only, with the plugin as in the series
 
 
 def test_every_worker_compiles_the_dit_as_vllm_omni_does_on_xpu(fix_on, fix_off):

@@ -4,7 +4,7 @@
 
 The released vLLM-Omni's own server and ``Wan22Pipeline``, Ulysses 4, VAE tile parallel 4, model-level offload,
 the DiT compiled; the persistent collectives switched on as ``auto`` switches them on XPU. CI serves it in
-patch 0002's tree with the plugin off (``python -m tooling.upstream_patches test``); on a release the
+the whole series' tree with the plugin off (``python -m tooling.upstream_patches test``); on a release the
 Wan2.2 census (``tests/benchmarks/test_pipeline_census_wan2_2.py``) serves it with the plugin, fix off and on,
 and checks media identity and that no fresh buffer reaches the backend from request 2 on.
 """
@@ -26,7 +26,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(
         upstream_patches.TREE_ENV not in os.environ,
-        reason="served in patch 0002's tree (upstream_patches test); on releases the Wan2.2 census serves it",
+        reason="served in the whole series' tree (upstream_patches test); on releases the Wan2.2 census serves it",
     ),
 ]
 

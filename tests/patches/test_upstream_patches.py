@@ -129,10 +129,16 @@ def test_each_owned_file_is_added_by_its_patch_alone_as_this_checkout_has_it(who
     assert (whole / relative).read_bytes() == (REPO_ROOT / relative).read_bytes(), relative
 
 
+# What upstream does not have: this project's packages, its plugin, its test platform and diagnostics.
+OWN = re.compile(
+    r"xpu_collective_memory|\btooling\b|\bbenchmarks\b|cpu_test|CPU test platform|plugin|census|reach check", re.I
+)
+
+
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name[:4])
-def test_nothing_a_patch_carries_imports_this_projects_own_packages(patch):
-    own = re.compile(r"^\s*(from|import)\s+(xpu_collective_memory|tooling|benchmarks)\b")
-    assert not [line for lines in added_lines(patch).values() for line in lines if own.match(line)]
+def test_nothing_a_patch_carries_or_says_names_this_projects_own_packages_or_tools(patch):
+    said = [message(patch), *(line for key, lines in added_lines(patch).items() if key[0] != "-" for line in lines)]
+    assert not [line for text in said for line in text.splitlines() if OWN.search(line)]
 
 
 @pytest.mark.parametrize("patch", PATCHES, ids=lambda p: p.name[:4])
@@ -169,3 +175,34 @@ def test_a_patch_that_no_longer_applies_names_the_file_and_the_hunk(tmp_path):
     message_text = str(failed.value)
     assert message_text.startswith(f"{patch.name} no longer applies to vLLM-Omni 0.30.0")
     assert f"patch failed: {ADAPTER}:" in message_text
+
+
+RULE_IMPORT = "from vllm_omni.distributed import managed_distributed as dist"
+
+
+def _by_the_rule(text: str) -> str:
+    """A module as the rule leaves it, blank lines and its own import aside: ``import torch.distributed as dist``
+    gone, and ``torch.distributed.<op>(`` spelled ``dist.<op>(`` for each op ``managed_distributed`` stages."""
+    from vllm_omni.distributed.managed_distributed import STAGED
+
+    lines = [line for line in text.splitlines() if line.strip() not in ("", "import torch.distributed as dist")]
+    spelled = re.compile(rf"(?<![\w.])torch\.distributed\.({'|'.join(sorted(STAGED))})\(")
+    return "\n".join(spelled.sub(r"dist.\1(", line) for line in lines)
+
+
+def test_the_rule_patch_makes_only_the_rules_edits_but_the_adapters_scope(tmp_path):
+    before = upstream_patches.prefix_tree(tmp_path / "before", len(SERIES) - 1)
+    after = upstream_patches.prefix_tree(tmp_path / "after", len(SERIES))
+    touched = [name for name, *_ in upstream_patches._files(PATCHES[-1]) if name.startswith("vllm_omni/")]
+    assert len(touched) > 20
+    for name in touched:
+        lines = (after / name).read_text().splitlines()
+        if name == ADAPTER:  # the checkpoint's remote code, scoped: one import, one call
+            scoped = [line for line in lines if "scope_remote_code" in line]
+            assert len(scoped) == 2 and [line for line in lines if line not in scoped] == (
+                (before / name).read_text().splitlines()
+            )
+            continue
+        assert [line.strip() for line in lines].count(RULE_IMPORT) == 1, name  # at the top, or where torch's was
+        ruled = "\n".join(line for line in lines if line.strip() not in ("", RULE_IMPORT))
+        assert ruled == _by_the_rule((before / name).read_text()), name

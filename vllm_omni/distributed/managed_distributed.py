@@ -6,10 +6,10 @@ finished work (every rank calls collectives in the same order, so none waits on 
 torch's own call, overlap kept. Compiled, whatever the ops do not carry is torch's own behind a graph break, so that
 every rank hands the backend its collectives in program order. Tensors staging would not write as the backend does
 (unlike dtypes or devices, outputs of the wrong shape or count, outputs that require grad) go to torch's own, which
-accepts or rejects them as the backend does. Point-to-point calls run as staged batches, eagerly, unless this rank is
-outside their group. With persistent blocks, object collectives run on the gloo group over the same ranks, as the
-worker's own do. Any other name or call (uneven or non-contiguous list gathers, ``group_src`` and the like) is
-``torch.distributed``'s own.
+accepts or rejects them as the backend does. Point-to-point calls run as staged batches, eagerly, where blocks are
+kept and this rank is in their group; otherwise they are torch's own. With persistent blocks, object collectives run
+on the gloo group over the same ranks, as the worker's own do. Any other name or call (uneven or non-contiguous list
+gathers, ``group_src`` and the like) is ``torch.distributed``'s own.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from vllm.logger import init_logger
 from . import traced_collectives as traced
 from .persistent_collectives import _gathers_into, _writable, _write, cpu_twin, finished_work, platform_collectives
 
-# What a module that names one of these reaches staged, eager and traced alike (the reach check reads it).
+# What a module that names one of these reaches staged, eager and traced alike.
 STAGED = frozenset(
     {
         "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -159,6 +159,8 @@ def batch_isend_irecv(p2p_op_list):
 def _p2p(op, tensor, peer, group, tag, group_peer):
     if peer is None or group_peer is not None or _dist.distributed_c10d._rank_not_in_group(group):
         return None  # by rank within the group, from any source, or outside the group: torch's own
+    if not platform_collectives().staged:
+        return None  # nothing to stage: torch's own call, not a batch (NCCL's first batch needs every rank)
     return batch_isend_irecv([_dist.P2POp(op, tensor, peer, group, tag)])[0]
 
 

@@ -41,7 +41,7 @@ class StandInAdapter:
 
 
 def ranks_with_gather(world: ThreadWorld) -> list[StandInAdapter]:
-    # Imported here: spawned gloo ranks import this module before they put the working tree's vae_gather first.
+    # Imported here, where it is used: a process that only builds stand-ins never loads the gather.
     from vllm_omni.diffusion.models.minimax_h3.vae_gather import install_tile_gather_reuse
 
     adapters = []
