@@ -156,6 +156,11 @@ def test_each_message_is_a_pull_request_description_with_its_test_plan_and_what_
     assert "What a card must check" in text and "pytest tests/" in text
 
 
+def test_the_docs_section_on_the_series_is_written_from_the_patches():
+    # Stale: python -m tooling.upstream_patches regenerate
+    assert upstream_patches.series_section(PATCHES) in upstream_patches.DOC.read_text()
+
+
 def test_regenerate_gives_back_the_series_byte_for_byte(tmp_path):
     written = upstream_patches.regenerate(out=tmp_path)
     assert [p.name for p in written] == [p.name for p in PATCHES]
