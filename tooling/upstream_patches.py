@@ -225,7 +225,7 @@ def regenerate(source: Path | None = None, out: Path = PATCHES) -> list[Path]:
         for old in out.glob("*.patch"):
             old.unlink()
         since = f"HEAD~{len(SERIES)}"
-        written = _git_ok(tree, "format-patch", "-q", "-N", "--no-signature", "--zero-commit", "-o", str(out), since)
+        written = _git_ok(tree, "format-patch", "-N", "--no-signature", "--zero-commit", "-o", str(out), since)
         return [Path(line) for line in written.splitlines()]
 
 

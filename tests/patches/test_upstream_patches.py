@@ -10,6 +10,7 @@ checkout has them, nothing it carries imports this project, and ``regenerate`` g
 
 from __future__ import annotations
 
+import ast
 import re
 from importlib.metadata import version
 
@@ -57,15 +58,42 @@ def test_each_prefix_applies_to_the_pristine_tree_and_passes_its_last_patchs_own
     assert upstream_patches.run_patch_tests(tree, length - 1) == 0
 
 
-@pytest.mark.parametrize("length", PREFIXES)
-def test_each_patchs_tests_fail_on_the_prefix_before_it(tmp_path, length):
+def _new_modules(patch) -> set[str]:
+    """The ``vllm_omni`` modules a patch adds, by their import names."""
+    return {name[:-3].replace("/", ".") for name, *_ in upstream_patches._files(patch) if name.endswith(".py")
+            and name.startswith("vllm_omni/") and name in SERIES[PATCHES.index(patch)].owns}  # fmt: skip
+
+
+def _imported(relative: str) -> set[str]:
+    tree = ast.parse((REPO_ROOT / relative).read_text())
+    found = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    found |= {f"{node.module}.{alias.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+              for alias in node.names if node.module}  # fmt: skip
+    return found | {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+
+
+ADDING = [p for p in PREFIXES if _new_modules(PATCHES[p.values[0] - 1])]
+EDITING = [p for p in PREFIXES if not _new_modules(PATCHES[p.values[0] - 1])]
+
+
+@pytest.mark.parametrize("length", ADDING)
+def test_each_patch_that_adds_a_module_has_tests_that_import_it_so_they_fail_on_the_prefix_before_it(length):
+    patch, spec = PATCHES[length - 1], SERIES[length - 1]
+    tests = [relative for relative in spec.owns if relative.startswith("tests/") and relative.endswith(".py")]
+    for test in spec.tests:  # each test file, or a helper of this patch it imports, imports one of its modules
+        helpers = {r for r in tests if r[:-3].replace("/", ".") in _imported(test)}
+        assert _new_modules(patch) & set().union(*map(_imported, {test, *helpers})), test
+
+
+@pytest.mark.parametrize("length", EDITING)
+def test_each_patch_that_only_edits_has_tests_that_fail_on_the_prefix_before_it(tmp_path, length):
     tree = upstream_patches.prefix_tree(tmp_path / "tree", length - 1)
     for relative in SERIES[length - 1].owns:  # the patch's tests, without its code
         if relative.startswith("tests/"):
             (tree / relative).parent.mkdir(parents=True, exist_ok=True)
             (tree / relative).write_bytes((REPO_ROOT / relative).read_bytes())
-    # 1: a test failed; 2: collection failed (what it imports is not there). Never 4 or 5 (no tests found).
-    assert upstream_patches.run_patch_tests(tree, length - 1, "-x", "-p", "no:warnings") in (1, 2)
+    # 1: a test failed; 2 or 4: collection or a conftest failed. Never 5 (no tests collected).
+    assert upstream_patches.run_patch_tests(tree, length - 1, "-x", "-p", "no:warnings") in (1, 2, 4)
 
 
 def test_the_whole_series_serves_minimax_h3_and_wan2_2_with_the_plugin_off(whole):
