@@ -58,7 +58,10 @@ def prepare_release_ranks() -> None:
     from vllm_omni.platforms import interface
     from xpu_collective_memory import request_path
 
+    hooked = True
     if group_coordinator.GroupCoordinator.all_reduce is not persistent_collectives.coordinator_all_reduce:
-        assert request_path.hook_coordinator(group_coordinator) and request_path.hook_platform(interface)
+        hooked = request_path.hook_coordinator(group_coordinator) and request_path.hook_platform(interface)
     if comm.dist is not managed_distributed:
-        assert request_path.rebind_module(comm)
+        hooked = hooked and bool(request_path.rebind_module(comm))
+    if not hooked:
+        raise RuntimeError("the plugin's request path could not route this release's coordinator, platform or comm")

@@ -12,7 +12,8 @@ environment:
                                                             # then the serve tests on the whole series
     python -m tooling.upstream_patches test --prefix 3      # the first three patches, the third's tests
     python -m tooling.upstream_patches regenerate           # every patch's owned files as this checkout has them
-    python -m tooling.upstream_patches regenerate --tree T  # also messages and release edits from T's commits
+                                                            # (each of these fetches the 0.30.0 wheel with pip)
+    python -m tooling.upstream_patches regenerate --tree T  # messages and release edits from T's commits instead
 """
 
 from __future__ import annotations
@@ -49,10 +50,11 @@ class Patch:
 
     topic: str
     owns: tuple[str, ...]
+    retests: tuple[str, ...] = ()  # an earlier patch's tests of a release file this one edits again
 
     @property
     def tests(self) -> tuple[str, ...]:
-        return tuple(path for path in self.owns if Path(path).name.startswith("test_"))
+        return (*(path for path in self.owns if Path(path).name.startswith("test_")), *self.retests)
 
 
 def _under(folder: str, *names: str) -> tuple[str, ...]:
@@ -120,6 +122,7 @@ SERIES = (
     Patch(
         "the rule: every diffusion module's collectives through managed_distributed",
         _under("tests/distributed", "sequence_parallel_ranks.py", "test_sequence_parallel.py"),
+        retests=("tests/distributed/test_group_coordinator.py",),  # the coordinator's own calls, by the rule
     ),
 )
 OWNED = tuple(path for patch in SERIES for path in patch.owns)
@@ -144,6 +147,8 @@ _IDENTITY = {
     "GIT_COMMITTER_EMAIL": "contributors@vllm-omni.invalid",
     "GIT_AUTHOR_DATE": "2026-12-03T00:00:00Z",
     "GIT_COMMITTER_DATE": "2026-12-03T00:00:00Z",
+    "GIT_CONFIG_GLOBAL": os.devnull,  # the patches' bytes must not depend on whoever writes them
+    "GIT_CONFIG_NOSYSTEM": "1",
 }
 
 
@@ -211,11 +216,19 @@ def regenerate(source: Path | None = None, out: Path = PATCHES) -> list[Path]:
         commits = _git_ok(tree, "rev-list", "--reverse", "HEAD").split()[1:]
         if len(commits) != len(SERIES):
             raise SystemExit(f"{source or PATCHES}: {len(commits)} patches; SERIES names {len(SERIES)}")
+        missing = [relative for relative in OWNED if not (ROOT / relative).is_file()]
+        if missing:
+            raise SystemExit(f"SERIES names files this checkout does not have: {missing}")
         _git_ok(tree, "checkout", "-q", "--detach", f"{commits[0]}~1")
-        for commit, patch in zip(commits, SERIES, strict=True):
+        for number, (commit, patch) in enumerate(zip(commits, SERIES, strict=True), start=1):
+            touched = _git_ok(tree, "diff", "--no-renames", "--name-only", f"{commit}~1", commit).split()
+            others = sorted(set(touched) & set(OWNED) - set(patch.owns))
+            if others:
+                raise SystemExit(f"patch {number} touches files another patch owns: {others}")
             _git_ok(tree, "cherry-pick", "--allow-empty", commit)
-            added = _git_ok(tree, "diff", "--name-only", "--diff-filter=A", "HEAD~1", "HEAD").split()
-            for stray in set(added) - set(patch.owns):
+            added = _git_ok(tree, "diff", "--no-renames", "--name-only", "--diff-filter=A", "HEAD~1", "HEAD").split()
+            for stray in sorted(set(added) - set(patch.owns)):
+                print(f"[upstream] patch {number}: {stray} is new and SERIES gives it no owner: dropped")
                 _git_ok(tree, "rm", "-q", stray)
             for relative in patch.owns:
                 (tree / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -225,7 +238,9 @@ def regenerate(source: Path | None = None, out: Path = PATCHES) -> list[Path]:
         for old in out.glob("*.patch"):
             old.unlink()
         since = f"HEAD~{len(SERIES)}"
-        written = _git_ok(tree, "format-patch", "-N", "--no-signature", "--zero-commit", "-o", str(out), since)
+        written = _git_ok(
+            tree, "format-patch", "-N", "--no-renames", "--no-signature", "--zero-commit", "-o", str(out), since
+        )
         return [Path(line) for line in written.splitlines()]
 
 
@@ -287,8 +302,12 @@ def main(argv: list[str] | None = None) -> int:
                         "regenerate: a git tree whose commits after the first are the series")  # fmt: skip
     parser.add_argument("--prefix", type=int, help=f"check/test: the first N patches only (1 to {len(SERIES)})")
     args = parser.parse_args(argv)
+    tree_arg = args.tree.resolve() if args.tree is not None else None
     if args.action == "regenerate":
-        for written in regenerate(args.tree):
+        if args.prefix is not None:
+            parser.error("--prefix: regenerate always writes the whole series")
+        _doc_parts()  # the doc's markers, before any patch is rewritten
+        for written in regenerate(tree_arg):
             print(f"[upstream] wrote {written.relative_to(ROOT)}")
         write_series_doc()
         print(f"[upstream] wrote the series' section of {DOC.relative_to(ROOT)}")
@@ -296,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     prefixes = [args.prefix] if args.prefix is not None else list(range(1, len(SERIES) + 1))
     if not all(1 <= length <= len(SERIES) for length in prefixes):
         parser.error(f"--prefix={args.prefix}: expected 1 to {len(SERIES)}")
-    base = args.tree or Path(tempfile.mkdtemp(prefix=f"vllm-omni-{RELEASE}-patched-"))
-    if base.exists() and any(base.iterdir()):
+    base = tree_arg or Path(tempfile.mkdtemp(prefix=f"vllm-omni-{RELEASE}-patched-"))
+    if base.exists() and (not base.is_dir() or any(base.iterdir())):
         parser.error(f"--tree={base}: expected a new or empty directory")
     for length in prefixes:
         tree = prefix_tree(base / f"prefix-{length}", length)
@@ -309,16 +328,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def added_lines(patch: Path) -> dict[str, list[str]]:
-    """Per file, the lines ``patch`` adds; under ``-`` the key ``-<file>``, the lines it removes."""
-    lines: dict[str, list[str]] = {}
-    current = ""
+def _diff_lines(patch: Path):
+    """``(file, line)`` for each line of the patch's hunks (after its message and each file's header)."""
+    current, in_hunk = None, False
     for line in patch.read_text().split("\n"):
         if line.startswith("diff --git "):
-            current = line.split(" b/", 1)[-1]
-        elif line.startswith("+") and not line.startswith("+++ "):
+            current, in_hunk = line.split(" b/", 1)[-1], False
+        elif current is not None and line.startswith("@@"):
+            in_hunk = True
+        elif in_hunk and line[:1] in ("+", "-", " "):
+            yield current, line
+        elif in_hunk:
+            in_hunk = line.startswith("\\")  # "\ No newline at end of file" stays in the hunk
+    return
+
+
+def added_lines(patch: Path) -> dict[str, list[str]]:
+    """Per file, the lines ``patch`` adds; under ``-<file>``, the lines it removes."""
+    lines: dict[str, list[str]] = {}
+    for current, line in _diff_lines(patch):
+        if line[0] == "+":
             lines.setdefault(current, []).append(line[1:])
-        elif line.startswith("-") and not line.startswith("--- ") and current:
+        elif line[0] == "-":
             lines.setdefault(f"-{current}", []).append(line[1:])
     return lines
 
@@ -345,19 +376,16 @@ def subject(patch: Path) -> str:
 
 def _files(patch: Path) -> list[tuple[str, int, int, bool]]:
     """Each file the patch touches, in its order: lines added, lines removed, whether the patch creates it."""
-    rows: list[list] = []
+    rows: dict[str, list] = {}
     for line in patch.read_text().split("\n"):
         if line.startswith("diff --git "):
-            rows.append([line.split(" b/", 1)[-1], 0, 0, False])
-        elif not rows:
-            continue
-        elif line.startswith("new file mode"):
-            rows[-1][3] = True
-        elif line.startswith("+") and not line.startswith("+++ "):
-            rows[-1][1] += 1
-        elif line.startswith("-") and not line.startswith("--- "):
-            rows[-1][2] += 1
-    return [tuple(row) for row in rows]
+            rows[line.split(" b/", 1)[-1]] = [0, 0, False]
+        elif line.startswith("new file mode") and rows:
+            rows[next(reversed(rows))][2] = True
+    for current, line in _diff_lines(patch):
+        if line[0] in "+-":
+            rows[current]["+-".index(line[0])] += 1
+    return [(name, added, removed, new) for name, (added, removed, new) in rows.items()]
 
 
 def series_section(patches: list[Path]) -> str:
@@ -367,7 +395,7 @@ def series_section(patches: list[Path]) -> str:
         parts += [
             f"### {number}. {subject(patch)}",
             "",
-            f"`patches/{patch.name}`: {added_non_test_lines(patch)} added non-test lines; {spec.topic}. Its own "
+            f"`patches/{patch.name}`: {added_non_test_lines(patch)} added non-test lines; {spec.topic}. Its "
             f"tests, on patches 1-{number}: `python -m tooling.upstream_patches test --prefix {number}` "
             f"(`pytest {' '.join(spec.tests)}`).",
             "",
@@ -379,10 +407,17 @@ def series_section(patches: list[Path]) -> str:
     return "\n".join([*parts, DOC_END])
 
 
-def write_series_doc() -> None:
+def _doc_parts() -> tuple[str, str]:
+    """What of ``DOC`` comes before the series' section and after it; exits where its markers are not as expected."""
     text = DOC.read_text()
-    before, rest = text.split(DOC_BEGIN, 1)
-    after = rest.split(DOC_END, 1)[1]
+    if text.count(DOC_BEGIN) != 1 or text.count(DOC_END) != 1 or text.index(DOC_BEGIN) > text.index(DOC_END):
+        raise SystemExit(f"{DOC}: expected one {DOC_BEGIN!r}, then one {DOC_END!r}")
+    before, rest = text.split(DOC_BEGIN)
+    return before, rest.split(DOC_END)[1]
+
+
+def write_series_doc() -> None:
+    before, after = _doc_parts()
     DOC.write_text(before + series_section(patch_files()) + after)
 
 

@@ -16,7 +16,9 @@ from tests.distributed import ranks
 from tests.utils import prepare_release_ranks
 from tooling.upstream_patches import TREE_ENV
 
-if os.environ.get(TREE_ENV) is None:
+RELEASE = os.environ.get(TREE_ENV) is None  # not a patched tree: the release this checkout's stack installs
+
+if RELEASE:
     collect_ignore = [
         "test_persistent_collectives.py",
         "test_managed_distributed.py",
@@ -28,6 +30,8 @@ if os.environ.get(TREE_ENV) is None:
 
 @pytest.fixture(scope="module", autouse=True)
 def routed_release_ranks():
-    saved, ranks.PREPARE = ranks.PREPARE, prepare_release_ranks
+    saved = ranks.PREPARE
+    if RELEASE:
+        ranks.PREPARE = prepare_release_ranks
     yield
     ranks.PREPARE = saved

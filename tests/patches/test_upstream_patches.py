@@ -195,6 +195,27 @@ def test_regenerate_gives_back_the_series_byte_for_byte(tmp_path):
     assert all(new.read_bytes() == old.read_bytes() for new, old in zip(written, PATCHES, strict=True))
 
 
+def test_regenerate_from_a_laid_out_tree_gives_back_the_series_and_refuses_a_commit_touching_anothers_file(tmp_path):
+    tree = upstream_patches.prefix_tree(tmp_path / "tree", len(SERIES))
+    written = upstream_patches.regenerate(tree, out=tmp_path / "out")
+    assert all(new.read_bytes() == old.read_bytes() for new, old in zip(written, PATCHES, strict=True))
+    owned_by_the_first = SERIES[0].owns[0]
+    (tree / owned_by_the_first).write_text("# edited by the last patch\n")
+    upstream_patches._git_ok(tree, "commit", "-q", "-a", "--amend", "--no-edit")
+    refused = rf"patch {len(SERIES)} touches files another patch owns: .*{owned_by_the_first}"
+    with pytest.raises(SystemExit, match=refused):
+        upstream_patches.regenerate(tree, out=tmp_path / "again")
+
+
+def test_the_docs_section_is_refused_without_its_markers_before_any_patch_is_rewritten(tmp_path, monkeypatch):
+    doc = tmp_path / "upstream_pr.md"
+    doc.write_text(f"{upstream_patches.DOC_END}\n{upstream_patches.DOC_BEGIN}\n")
+    monkeypatch.setattr(upstream_patches, "DOC", doc)
+    monkeypatch.setattr(upstream_patches, "regenerate", lambda *args, **kwargs: pytest.fail("patches rewritten"))
+    with pytest.raises(SystemExit, match="expected one"):
+        upstream_patches.main(["regenerate"])
+
+
 def test_a_patch_that_no_longer_applies_names_the_file_and_the_hunk(tmp_path):
     patch = PATCHES[0]
     text = patch.read_text()
