@@ -47,21 +47,3 @@ def use_working_tree() -> None:
         stale = sys.modules.get(f"{pkg.__name__}.{module}")
         if stale is not None and Path(stale.__file__).resolve().parent != directory:
             raise RuntimeError(f"{module} was imported from {stale.__file__} before the working tree was put first")
-
-
-def prepare_release_ranks() -> None:
-    """Each rank of the tests of release modules (the coordinator, the sequence-parallel exchange): the working tree,
-    and on a released vLLM-Omni those modules routed as the plugin routes them in a diffusion worker."""
-    use_working_tree()
-    from vllm_omni.diffusion.distributed import comm, group_coordinator
-    from vllm_omni.distributed import managed_distributed, persistent_collectives
-    from vllm_omni.platforms import interface
-    from xpu_collective_memory import request_path
-
-    hooked = True
-    if group_coordinator.GroupCoordinator.all_reduce is not persistent_collectives.coordinator_all_reduce:
-        hooked = request_path.hook_coordinator(group_coordinator) and request_path.hook_platform(interface)
-    if comm.dist is not managed_distributed:
-        hooked = hooked and bool(request_path.rebind_module(comm))
-    if not hooked:
-        raise RuntimeError("the plugin's request path could not route this release's coordinator, platform or comm")

@@ -62,7 +62,7 @@ RECEIPTS = {
     "layer_installs": r"\[PERSISTENT_COLLECTIVES\] persistent buffers in use in this process ",
     "dit_compile": r"Regional compilation applied to \d+ module",  # vLLM-Omni's own line: Inductor, lazy
     "pools_made": r"\[MEM_POOL_STAND_IN\] MemPool \(\d+, \d+\) made ",
-    "pool_entries": r"\[CPU_TEST_PLATFORM\] MemPool \(\d+, \d+\) in use ",
+    "pool_entries": r"\[MEM_POOL_STAND_IN\] MemPool \(\d+, \d+\) in use ",
 }
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 # The log tags of the plugin, the VAE gather and staging: where the fix says it applied.
