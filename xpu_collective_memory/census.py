@@ -25,10 +25,10 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import persistent_collectives, request_pool
+from vllm_omni.distributed import persistent_collectives
 from vllm_omni.distributed.collective_workspaces import resolve_device
 
-from .ledger import CollectiveLedger
+from .ledger import CollectiveLedger, worker_pool
 from .memory import memory_record
 from .renamed import census_dir_variable, old_entry_point
 
@@ -210,7 +210,7 @@ def _counting(forward: Callable, ledger: CollectiveLedger, device, directory: Pa
         if set(getattr(batch, "request_ids", ())) == {DUMMY_DIFFUSION_REQUEST_ID}:  # the warm-up: not a request
             return forward(self, batch, *args, **kwargs)
         wall, cpu = time.perf_counter(), time.process_time()
-        pool = request_pool.worker_pool()  # pool mode: the whole forward, every component, runs in it
+        pool = worker_pool()  # pool mode: the whole forward, every component, runs in it
         books["pool"].append(None if pool is None else {"in_pool": pool.active, "requests_entered": pool.requests})
         try:
             return forward(self, batch, *args, **kwargs)
@@ -220,7 +220,7 @@ def _counting(forward: Callable, ledger: CollectiveLedger, device, directory: Pa
             ledger.end_request()
             collectives = persistent_collectives.platform_collectives()
             books["persistent_collectives"].append(collectives.stats() if collectives.staged else None)
-            books["memory"].append(memory_record(device, pool=request_pool.worker_pool()))
+            books["memory"].append(memory_record(device, pool=worker_pool()))
             books["compile"].append(compile_record(self))
             _write(directory, ledger, books)
 

@@ -31,6 +31,7 @@ import bisect
 import functools
 import itertools
 import sys
+import weakref
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -44,13 +45,13 @@ import torch.distributed.distributed_c10d as c10d
 from vllm.logger import init_logger
 
 from vllm_omni.distributed import (
+    collective_workspaces,
     managed_distributed,
     persistent_collectives,
     persistent_fsdp,
     request_pool,
     traced_collectives,
 )
-from vllm_omni.distributed.collective_workspaces import is_persistent
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
@@ -247,6 +248,48 @@ class PoolSegments:
         return True
 
 
+_blocks: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
+_pool: list[weakref.ref] = []  # the newest RequestPool of this process (a worker remakes it on wake-up)
+_TRACKED = "_xpu_collective_memory_tracked"
+
+
+def track_kept_memory() -> None:
+    """From now on, remember each block ``collective_workspaces`` allocates (the VAE gather's, staging's, FSDP2's:
+    the memory the fix keeps in place) and the newest request pool. Call it before the model loads. Idempotent."""
+    allocate = collective_workspaces.allocate_bytes
+    if not getattr(allocate, _TRACKED, False):
+
+        @functools.wraps(allocate)
+        def allocate_and_remember(*args: Any, **kwargs: Any) -> torch.Tensor:
+            block = allocate(*args, **kwargs)
+            _blocks[block.data_ptr()] = block.untyped_storage()  # one Python object per storage while it lives
+            return block
+
+        setattr(allocate_and_remember, _TRACKED, True)
+        collective_workspaces.allocate_bytes = allocate_and_remember
+    init = request_pool.RequestPool.__init__
+    if not getattr(init, _TRACKED, False):
+
+        @functools.wraps(init)
+        def init_and_remember(self, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            _pool[:] = [weakref.ref(self)]
+
+        setattr(init_and_remember, _TRACKED, True)
+        request_pool.RequestPool.__init__ = init_and_remember
+
+
+def is_persistent(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in a live block allocated since ``track_kept_memory()``."""
+    storage = tensor.untyped_storage()
+    return _blocks.get(storage.data_ptr()) is storage
+
+
+def worker_pool() -> request_pool.RequestPool | None:
+    """This process's request pool, where the worker runs in pool mode."""
+    return _pool[0]() if _pool else None
+
+
 def _managed(name: str, tensors: list[torch.Tensor], pooled: list[bool] | None) -> bool:
     """Whether a call on a device group hands the backend only persistent blocks and no temp of its own, or, in a
     request running in the worker's pool (``pooled``: whether it holds each tensor), only the pool's memory and
@@ -270,6 +313,7 @@ class CollectiveLedger:
         """``classify`` names the component of a collective from its caller's frame (default: one component)."""
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"limit={limit!r}: expected a positive int (oneCCL's default is 1000) or None")
+        track_kept_memory()
         self.limit = limit
         self.hold_buffers = hold_buffers
         self.bookkeeping_errors = 0
@@ -366,7 +410,7 @@ class CollectiveLedger:
         pooled = self._pool_membership(site, sends + recvs)
         if not _managed(name, sends + recvs, pooled):
             self._unmanaged[site] += 1
-        if (pool := request_pool.worker_pool()) is not None and not pool.active:
+        if (pool := worker_pool()) is not None and not pool.active:
             self._outside_pool_context[component] += 1
         if name == "barrier":
             self._barriers += 1
@@ -411,7 +455,7 @@ class CollectiveLedger:
     def _pool_membership(self, site: str, tensors: list[torch.Tensor]) -> list[bool] | None:
         """In a request running in the worker's pool, whether the pool holds each tensor; books the call where it
         hands over memory outside the pool, as stable or fresh. None outside pool mode's requests."""
-        pool = request_pool.worker_pool()
+        pool = worker_pool()
         if pool is None or not pool.active:
             return None
         if self._pool_segments is None or self._pool_segments._pool is not pool:

@@ -428,13 +428,12 @@ class StandInStream:
 def streams(rank: int, world: int) -> dict[str, Any]:
     """The device branch on CPU ranks: a stand-in stream API says which stream is current; a use of a block on
     another stream than its last must be ordered after that one before anything is written to the block."""
-    from vllm_omni.distributed import collective_workspaces
     from vllm_omni.distributed import persistent_collectives as pc
 
     log: list[str] = []
     side, main = StandInStream("side", log), StandInStream("main", log)
     current = [main]
-    collective_workspaces.current_stream = lambda device: current[0]
+    pc.current_stream = lambda device: current[0]
     real_write = pc._write
 
     def logged_write(destination, source):

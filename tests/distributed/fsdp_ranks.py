@@ -52,7 +52,6 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     from vllm_omni.distributed import persistent_fsdp
-    from vllm_omni.distributed.collective_workspaces import is_persistent
 
     torch.set_num_threads(1)
     inputs = [data(rank, (rows, 16), torch.float32, salt=rows) for rows in (2, 3, 2)]
@@ -71,7 +70,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             "equal": [bits(out) for out in outputs] == oracle,
             "requests": recorder.summary(),
             "custom": [_comm_name(unit) for unit in [*model.blocks, model]],
-            "outputs_in_blocks": any(is_persistent(out) for out in outputs),
+            "outputs_in_blocks": any(recorder.is_persistent(out) for out in outputs),
             "largest_unit_bytes": max(
                 4 * sum(p.numel() for p in u.parameters()) for u in [model.proj_in, *model.blocks]
             ),

@@ -240,9 +240,8 @@ class _FailingWork(dist.Work):
 
 def test_a_staged_batch_whose_wait_raises_frees_its_block_and_writes_nothing_to_the_callers_tensor():
     from vllm_omni.distributed import persistent_collectives as pc
-    from vllm_omni.distributed.collective_workspaces import GrowOnlyBlock
 
-    block = GrowOnlyBlock()
+    block = pc.StagingBlock()
     block.ensure(512, "cpu")
     block.busy = True
     staged, received = block.view((4,), torch.float32).fill_(1.0), torch.full((4,), 7.0)

@@ -41,7 +41,7 @@ def test_no_output_handed_back_lives_in_a_block(reports):
 
 
 def test_every_unit_shares_two_blocks_each_no_larger_than_the_largest_units_gather(reports):
-    from vllm_omni.distributed.collective_workspaces import aligned
+    from vllm_omni.distributed.persistent_collectives import aligned
 
     for report in reports:
         assert len(report["slots"]) == 2 and 0 < max(report["slots"]) <= aligned(report["1"]["largest_unit_bytes"])

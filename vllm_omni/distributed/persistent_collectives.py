@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from vllm.logger import init_logger
 
-from .collective_workspaces import ALIGN, GrowOnlyBlock, aligned, resolve_device, synchronize
+from .collective_workspaces import GrowOnlyBlock, resolve_device, synchronize
 from .request_pool import SWITCH_ENV, switch_mode
 
 logger = init_logger(__name__)
@@ -46,6 +46,62 @@ def block_cap() -> int:
     if _cap is None:
         _cap = parse_block_cap(os.environ.get(CAP_ENV))
     return _cap
+
+
+ALIGN = 512  # oneCCL's preferred alignment, and a multiple of every dtype's size
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def current_stream(device: torch.device) -> Any:
+    """The stream work on ``device`` is queued on now; None where there are no streams."""
+    if device.type in ("cpu", "meta"):
+        return None
+    return torch.get_device_module(device.type).current_stream(device)
+
+
+class StagingBlock(GrowOnlyBlock):
+    """A grow-only block that calls stage through, one at a time: ``busy`` marks a collective still running on it
+    (a caller that finds it busy uses its own tensors instead), ``stream`` the stream of its last use."""
+
+    _MAX_VIEWS = 64  # views kept per block: a view costs more host time to build than most copies into it
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.busy = False
+        self.stream: Any = None
+        self._views: dict[tuple, torch.Tensor] = {}
+
+    def view(self, shape, dtype: torch.dtype, offset: int = 0, strides: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A ``dtype`` view of ``shape`` at byte ``offset`` (a multiple of ``ALIGN``): row-major, or laid out
+        densely with ``strides``. Never hand it to a caller: it aliases the block."""
+        key = (shape, dtype, offset, strides)
+        view = self._views.get(key)
+        if view is None:
+            numel = torch.Size(shape).numel()
+            with torch.inference_mode(False):  # kept: written later in and out of inference mode alike
+                flat = self.block[offset : offset + numel * dtype.itemsize].view(dtype)
+                view = flat.view(shape) if strides is None else flat.as_strided(shape, strides)
+            if len(self._views) >= self._MAX_VIEWS:
+                self._views.clear()
+            self._views[key] = view
+        return view
+
+    def use_on(self, device: torch.device) -> None:
+        """Order a use on ``device``'s current stream after the last use, where that was on another stream: the last
+        use's copies out are queued there, and this use writes the block."""
+        stream = current_stream(device)
+        if stream is not None:
+            if self.stream is not None and stream != self.stream:
+                stream.wait_stream(self.stream)
+            self.stream = stream
+
+    def drop(self) -> None:
+        super().drop()
+        self.stream = None
+        self._views.clear()
 
 
 def _write(destination: torch.Tensor, source: torch.Tensor) -> None:
@@ -121,7 +177,7 @@ class _StagedBatch(dist.Work):
     """The one work of a staged point-to-point batch. Its receives land in the caller's tensors when it is waited,
     or seen complete (``is_completed``, its future, or the next batch on its group)."""
 
-    def __init__(self, works: list, receives: list[tuple[torch.Tensor, torch.Tensor]], block: GrowOnlyBlock) -> None:
+    def __init__(self, works: list, receives: list[tuple[torch.Tensor, torch.Tensor]], block: StagingBlock) -> None:
         super().__init__()
         self._works, self._receives, self._block = works, receives, block
 
@@ -185,13 +241,13 @@ class Collectives:
 
     def __init__(self, persistent: bool) -> None:
         self.staged = persistent
-        self._blocks: weakref.WeakKeyDictionary[Any, dict[torch.device, GrowOnlyBlock]] = weakref.WeakKeyDictionary()
+        self._blocks: weakref.WeakKeyDictionary[Any, dict[torch.device, StagingBlock]] = weakref.WeakKeyDictionary()
         self._batches: weakref.WeakKeyDictionary[Any, dict[torch.device, list]] = weakref.WeakKeyDictionary()
         self.staged_calls = self.chunked_calls = self.fallbacks = self.payload_bytes = self.staged_bytes = 0
-        self._last: tuple[Any, torch.device, GrowOnlyBlock] | None = None  # the last lookup, most calls' next
+        self._last: tuple[Any, torch.device, StagingBlock] | None = None  # the last lookup, most calls' next
         self._logged: set[str] = set()
 
-    def blocks(self) -> list[GrowOnlyBlock]:
+    def blocks(self) -> list[StagingBlock]:
         singles = [b for by_device in list(self._blocks.values()) for b in by_device.values() if b is not None]
         pools = [pool for by_device in list(self._batches.values()) for pool in by_device.values()]
         return singles + [block for pool in pools for block in pool]
@@ -212,7 +268,7 @@ class Collectives:
         self.fallbacks += 1
         self._once(name, "%s ran on the caller's tensors on this rank: %s", name, problem)
 
-    def _acquire(self, name: str, group: Any, device: torch.device, nbytes: int) -> GrowOnlyBlock | None:
+    def _acquire(self, name: str, group: Any, device: torch.device, nbytes: int) -> StagingBlock | None:
         """The call's block, busy until the caller frees it; None where the call runs on the caller's tensors."""
         if device.index is None and device.type not in ("cpu", "meta"):
             device = resolve_device(device)
@@ -223,18 +279,18 @@ class Collectives:
             return self._fall_back(name, "its block is in use")
         return self._lease(name, block, group, device, nbytes)
 
-    def _lookup(self, group: Any, device: torch.device) -> GrowOnlyBlock | None:
+    def _lookup(self, group: Any, device: torch.device) -> StagingBlock | None:
         last = self._last
         if last is not None and last[0] is group and last[1] == device:
             return last[2]
         by_device = _per_device(self._blocks, group)
         if device not in by_device:
-            by_device[device] = None if group in _control_groups else GrowOnlyBlock()
+            by_device[device] = None if group in _control_groups else StagingBlock()
         block = by_device[device]
         self._last = (group, device, block)
         return block
 
-    def _lease(self, name: str, block: GrowOnlyBlock, group: Any, device: torch.device, nbytes: int):
+    def _lease(self, name: str, block: StagingBlock, group: Any, device: torch.device, nbytes: int):
         if block.device != device or block.nbytes < nbytes:
             try:
                 block.ensure(aligned(nbytes), device, group)
@@ -458,13 +514,13 @@ class Collectives:
         block.batch = _StagedBatch(list(works), receives, block)
         return [block.batch]
 
-    def _batch_block(self, group: Any, device: torch.device, nbytes: int) -> GrowOnlyBlock | None:
+    def _batch_block(self, group: Any, device: torch.device, nbytes: int) -> StagingBlock | None:
         """The first free block of the group's pool, which grows by one where none is: waiting for a batch here
         could wait for one its peers post only after this one. A batch complete but never waited lands first."""
         pool = _per_device(self._batches, group).setdefault(device, [])
         free = next((b for b in pool if not b.busy or b.batch.is_completed()), None)
         if free is None:
-            free = GrowOnlyBlock()
+            free = StagingBlock()
             pool.append(free)
         return self._lease("batch_isend_irecv", free, group, device, nbytes)
 

@@ -22,8 +22,8 @@ from torch.distributed.fsdp import fully_shard as _fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from vllm.logger import init_logger
 
-from .collective_workspaces import GrowOnlyBlock, aligned
-from .persistent_collectives import platform_choice
+from .collective_workspaces import GrowOnlyBlock
+from .persistent_collectives import aligned, platform_choice
 
 logger = init_logger(__name__)
 

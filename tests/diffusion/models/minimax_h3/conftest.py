@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from vllm_omni.diffusion.models.minimax_h3 import vae_gather
+from vllm_omni.distributed import collective_workspaces
 
 from .fake_collective import install_fake_collective
 from .stand_ins import RecordingHandler
@@ -35,7 +36,7 @@ def device_stand_in(monkeypatch):
     """Stand-in for XPU and CUDA cards, which this machine lacks: ``xpu`` resolves to ``xpu:0`` (``cuda`` alike)
     and memory asked of them comes from the CPU. Returns the devices asked for, in order."""
     asked: list[torch.device] = []
-    real = vae_gather.allocate_bytes
+    real = collective_workspaces.allocate_bytes
 
     def allocate(nbytes, device, group):
         asked.append(device)
@@ -43,5 +44,5 @@ def device_stand_in(monkeypatch):
 
     monkeypatch.setattr(torch.xpu, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(vae_gather, "allocate_bytes", allocate)
+    monkeypatch.setattr(collective_workspaces, "allocate_bytes", allocate)
     return asked

@@ -18,6 +18,7 @@ from vllm_omni.diffusion.models.minimax_h3.vae_gather import (
     install_tile_gather_reuse,
     remove_tile_gather_reuse,
 )
+from vllm_omni.distributed import collective_workspaces
 
 from .fake_collective import ThreadWorld
 from .stand_ins import (
@@ -142,9 +143,9 @@ def test_backend_that_allocates_registered_memory_provides_the_workspace(monkeyp
         def _get_backend(self, device):
             return Backend()
 
-    block = vae_gather.allocate_bytes(4096, torch.device("cpu"), Group())
+    block = collective_workspaces.allocate_bytes(4096, torch.device("cpu"), Group())
     assert block.data_ptr() == handed_out[0].data_ptr() and block.dtype == torch.uint8 and block.numel() == 4096
-    plain = vae_gather.allocate_bytes(4096, torch.device("cpu"), None)
+    plain = collective_workspaces.allocate_bytes(4096, torch.device("cpu"), None)
     assert plain.data_ptr() != handed_out[0].data_ptr() and len(handed_out) == 1
 
 
@@ -250,8 +251,9 @@ def test_a_gather_whose_adapter_is_gone_raises_naming_the_missing_state():
     install_tile_gather_reuse(adapter, enabled=True)
     gather = get_tile_gather(adapter)
     del adapter
-    with pytest.raises(RuntimeError, match=r"parallel state None; expected ints"):
+    with pytest.raises(RuntimeError, match=r"failed before the exchange") as raised:
         gather([make_share(0, 1, 1)[0]], 1)
+    assert "parallel state None; expected sp_size=1" in str(raised.value.__cause__)
 
 
 def test_resolve_device_names_the_current_card_when_the_index_is_left_out(monkeypatch):
@@ -349,5 +351,5 @@ def test_reserve_sizes_for_the_adapters_own_group_and_needs_it_set():
     install_tile_gather_reuse(adapter, enabled=True)
     assert get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28) == 2 * 14 * 384
     adapter.state = {}
-    with pytest.raises(RuntimeError, match=r"parallel state \{\}; expected ints 0 <= sp_rank < sp_size"):
+    with pytest.raises(RuntimeError, match=r"parallel state \{\}; expected sp_size=1 and sp_rank=0"):
         get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28)

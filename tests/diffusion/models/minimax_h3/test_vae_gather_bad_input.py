@@ -110,7 +110,7 @@ def test_no_memory_for_the_header_buffer_fails_the_install_before_any_collective
     def no_memory(nbytes, device, group):
         raise torch.OutOfMemoryError(f"injected: {nbytes} bytes")
 
-    monkeypatch.setattr(vae_gather, "allocate_bytes", no_memory)
+    monkeypatch.setattr(collective_workspaces, "allocate_bytes", no_memory)
     adapter = StandInAdapter()
     with pytest.raises(torch.OutOfMemoryError, match="injected: 28672 bytes"):
         install_tile_gather_reuse(adapter, enabled=True)
@@ -178,20 +178,42 @@ def test_single_rank_with_a_wrong_share_raises():
         {},
         None,
         {"sp_size": 4, "sp_rank": 0},
-        {"sp_size": "4", "sp_rank": 0, "sp_process_group": None},
-        {"sp_size": 4, "sp_rank": 4, "sp_process_group": None},
-        {"sp_size": 0, "sp_rank": 0, "sp_process_group": None},
+        {"sp_size": "1", "sp_rank": 0, "sp_process_group": None},
+        {"sp_size": True, "sp_rank": 0, "sp_process_group": None},
         {"sp_size": 4, "sp_rank": 1, "sp_process_group": None},
-        {"sp_size": 2, "sp_rank": 1, "sp_process_group": ThreadWorld(4).group(1)},
     ],
-    ids=["empty", "none", "no-group-key", "size-str", "rank-out-of-range", "size-0", "group-none", "group-size"],
+    ids=["empty", "none", "no-group-key", "size-str", "size-bool", "group-none"],
 )
-def test_missing_or_malformed_parallel_state_is_a_clear_error_naming_the_state(state):
+def test_a_parallel_state_without_a_group_that_is_not_one_rank_is_a_clear_error_naming_it(state):
     adapter = StandInAdapter()
     adapter.state = state
     install_tile_gather_reuse(adapter, enabled=True)
-    with pytest.raises(RuntimeError, match=re.escape(f"parallel state {state!r}; expected ints 0 <= sp_rank")):
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] failed before the exchange") as raised:
         adapter.model._all_gather_tiled_results([make_tile(0)], 4)
+    assert re.search(
+        re.escape(f"parallel state {state!r}; expected sp_size=1 and sp_rank=0"), str(raised.value.__cause__)
+    )
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [{"sp_size": 2}, {"sp_rank": 3}, {"sp_rank": "2"}, {"sp_size": None}],
+    ids=["size", "rank", "rank-str", "size-none"],
+)
+def test_a_wrong_parallel_state_on_one_rank_raises_the_same_error_on_every_rank_and_names_it_there(wrong):
+    world = ThreadWorld(WORLD)
+    adapters = ranks_with_gather(world)
+    good = dict(adapters[2].state)
+    adapters[2].state = {**good, **wrong}
+    shares = [(make_share(r, WORLD, NUM_TILES, shape=SHAPE), NUM_TILES) for r in range(WORLD)]
+    outcomes = _gather_each(world, adapters, shares)
+    _same_error_everywhere(outcomes, RuntimeError, r"rank\(s\) \[2\] failed before the exchange")
+    assert "parallel state" in str(outcomes[2].__cause__) and "expected sp_size=4 and sp_rank=2" in str(
+        outcomes[2].__cause__
+    )
+    assert all(o.__cause__ is None for r, o in enumerate(outcomes) if r != 2)
+    adapters[2].state = good
+    _still_in_step(world, adapters)
 
 
 @pytest.mark.parametrize(

@@ -31,6 +31,7 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
     from tests.diffusion.models.minimax_h3.gloo_checkpoint import checkpoint_on_gloo_rank
     from tests.diffusion.models.minimax_h3.stand_ins import make_share, make_tile
     from vllm_omni.diffusion.models.minimax_h3 import vae_gather
+    from vllm_omni.distributed import collective_workspaces
 
     adapter = checkpoint_on_gloo_rank(rank, world)
     vae_gather.install_tile_gather_reuse(adapter, enabled=True)
@@ -60,7 +61,7 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
 
     # Out of memory on one rank: no allocation at all succeeds there while the next geometry needs a larger
     # workspace. Every allocation a gather asks for is recorded: the header buffer was made at install.
-    real_allocate, asked = vae_gather.allocate_bytes, []
+    real_allocate, asked = collective_workspaces.allocate_bytes, []
 
     def out_of_memory(nbytes, device, group):
         asked.append(nbytes)
@@ -69,8 +70,6 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
         return real_allocate(nbytes, device, group)
 
     def grow_without_memory() -> None:
-        from vllm_omni.distributed import collective_workspaces  # where the workspace's block comes from
-
         collective_workspaces.allocate_bytes = out_of_memory
         try:
             gather(make_share(rank, world, 28, shape=SHAPE), 28)
@@ -95,13 +94,13 @@ def _cases_on_one_rank(rank: int, world: int) -> dict:
         raise torch.OutOfMemoryError(f"injected: no memory for {nbytes} bytes")
 
     if rank == BAD_RANK:
-        vae_gather.allocate_bytes = no_memory
+        collective_workspaces.allocate_bytes = no_memory
     try:
         vae_gather.install_tile_gather_reuse(adapter, enabled=True)
     except torch.OutOfMemoryError as exc:
         install_error = str(exc)
     finally:
-        vae_gather.allocate_bytes = real_allocate
+        collective_workspaces.allocate_bytes = real_allocate
     if install_error is not None:
         vae_gather.install_tile_gather_reuse(adapter, enabled=True)
     record("header-out-of-memory-at-install", lambda: None)

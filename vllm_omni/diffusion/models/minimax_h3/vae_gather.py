@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from vllm.logger import init_logger
 
-from vllm_omni.distributed.collective_workspaces import GrowOnlyBlock, allocate_bytes, resolve_device
+from vllm_omni.distributed.collective_workspaces import GrowOnlyBlock, resolve_device
 
 logger = init_logger(__name__)
 
@@ -152,6 +152,17 @@ def _agree(headers: list[_Header]) -> None:
         )
 
 
+def _check_parallel(state: Any, size: int, rank: int) -> None:
+    """The checkpoint's parallel state must name this rank of the group the gather runs over."""
+    named = (state.get("sp_size"), state.get("sp_rank")) if isinstance(state, Mapping) else None
+    if named is None or any(type(v) is not int for v in named) or named != (size, rank):
+        raise RuntimeError(
+            f"MiniMax-H3 tile gather: parallel state {state!r}; expected sp_size={size} and sp_rank={rank}, those of "
+            "its sp_process_group (none: sp_size=1, sp_rank=0), as MiniMaxH3VideoVAE.set_parallel_size fills it "
+            "once torch.distributed is initialised"
+        )
+
+
 def _weak(fn: Callable[[], Mapping]) -> Callable[[], Mapping | None]:
     """A bound method held weakly (the adapter owns the gather, not the reverse); other callables as they are."""
     if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
@@ -171,17 +182,24 @@ class TileGatherReuse:
     def __init__(self, parallel_state: Callable[[], Mapping], device: torch.device) -> None:
         self._parallel_state = _weak(parallel_state)
         self.device = resolve_device(device)
-        self.workspace = GrowOnlyBlock()
+        self.workspace, headers = GrowOnlyBlock(), GrowOnlyBlock()
         # Allocated now: no rank may need memory before the exchange that tells its peers it failed.
-        self._headers = allocate_bytes(MAX_RANKS * _Header.WORDS * 8, self.device, None).view(torch.int64)
+        headers.ensure(MAX_RANKS * _Header.WORDS * 8, self.device)
+        self._headers = headers.block.view(torch.int64)
         self._hits = 0
         self._geometries: Counter[str] = Counter()
 
     @torch.no_grad()  # a tile that requires grad must not fail one rank alone
     def __call__(self, tasks: list[torch.Tensor], num_tiles: int) -> list[torch.Tensor]:
-        size, rank, group = self._read_parallel()
+        state = self._parallel_state()
+        group = state.get("sp_process_group") if isinstance(state, Mapping) else None
+        # The exchange runs over the group as it is, so that a rank whose state is wrong still tells its peers.
+        size, rank = (group.size(), group.rank()) if group is not None else (1, 0)
+        if size > MAX_RANKS:  # the same on every rank of the group
+            raise ValueError(f"MiniMax-H3 tile gather over {size} ranks; at most {MAX_RANKS} are supported")
         mine, grew, error = _Header(-1, -1, _LOCAL_ERROR), False, None
         try:
+            _check_parallel(state, size, rank)
             mine = _describe(tasks, num_tiles)
             if mine.dtype >= 0 and mine.num_tiles >= size and mine.count == len(range(rank, num_tiles, size)):
                 grew = self._copy_in(tasks, mine, size, rank, group)
@@ -229,20 +247,6 @@ class TileGatherReuse:
         torch.stack(tasks, out=share.view(mine.count, *shape))
         return grew
 
-    def _read_parallel(self) -> tuple[int, int, Any]:
-        state = self._parallel_state()
-        size, rank, group = (
-            state.get(k) if isinstance(state, Mapping) else None for k in ("sp_size", "sp_rank", "sp_process_group")
-        )
-        valid = isinstance(size, int) and isinstance(rank, int) and 0 <= rank < size <= MAX_RANKS
-        if not valid or (size > 1 and (group is None or group.size() != size)):
-            raise RuntimeError(
-                f"MiniMax-H3 tile gather: parallel state {state!r}; expected ints 0 <= sp_rank < sp_size <= "
-                f"{MAX_RANKS} and, when sp_size > 1, an sp_process_group of sp_size ranks, as "
-                "MiniMaxH3VideoVAE.set_parallel_size fills it once torch.distributed is initialised"
-            )
-        return size, rank, group
-
     def stats(self) -> dict[str, Any]:
         return {
             "hits": self._hits,
@@ -254,7 +258,10 @@ class TileGatherReuse:
 
     def reserve(self, tile_shape: Sequence[int], dtype: torch.dtype, num_tiles: int) -> int:
         """Size the workspace for a geometry on the adapter's device and group; returns its bytes."""
-        size, _, group = self._read_parallel()
+        state = self._parallel_state()
+        group = state.get("sp_process_group") if isinstance(state, Mapping) else None
+        size = group.size() if group is not None else 1
+        _check_parallel(state, size, group.rank() if group is not None else 0)
         self.workspace.ensure(workspace_bytes(size, num_tiles, tile_shape, dtype), self.device, group)
         return self.workspace.nbytes
 
