@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHES = ROOT / "patches"
 RELEASE = "0.30.0"
 TREE_ENV = "VLLM_OMNI_TEST_UPSTREAM_TREE"  # the test suite then runs that tree's code, not this checkout's
+# Upstream's own test files that a patch changes, as its repository has them at 0.30.0 (the wheel ships no tests).
+UPSTREAM_TESTS = ROOT / "tooling" / "upstream_tests"
 DOC = ROOT / "docs" / "contributing" / "upstream_pr.md"  # its section on the series is written from the patches
 DOC_BEGIN = "<!-- The series: written from patches/ by python -m tooling.upstream_patches regenerate. -->"
 DOC_END = "<!-- End of the series. -->"
@@ -191,12 +193,14 @@ def _wheel() -> Path:
 
 
 def pristine_tree(dest: Path) -> Path:
-    """The 0.30.0 wheel's ``vllm_omni`` package in a fresh git repository at ``dest``, one commit."""
+    """The 0.30.0 wheel's ``vllm_omni`` package and upstream's test files the series changes (``UPSTREAM_TESTS``) in
+    a fresh git repository at ``dest``, one commit."""
     with zipfile.ZipFile(_wheel()) as archive:
         archive.extractall(dest, [n for n in archive.namelist() if n.startswith("vllm_omni/")])
+    shutil.copytree(UPSTREAM_TESTS, dest, dirs_exist_ok=True)
     _git_ok(dest, "init", "-q")
     _git_ok(dest, "add", "-A")
-    _git_ok(dest, "commit", "-q", "-m", f"vLLM-Omni {RELEASE} package tree, from the wheel")
+    _git_ok(dest, "commit", "-q", "-m", f"vLLM-Omni {RELEASE} package tree, from the wheel, with upstream's tests")
     return dest
 
 
@@ -275,8 +279,9 @@ def _tree_env(tree: Path, *, test_platform: bool) -> dict[str, str]:
         "VLLM_PLUGINS": plugins_without_ours(test_platform=test_platform),
         TREE_ENV: str(tree),
     }
-    if not test_platform:
-        env.pop(TEST_PLATFORM_ENV, None)
+    # The test platform's import stand-ins stay on either way: PyPI has no torchvision or torchaudio that loads
+    # beside torch 2.13.0+cpu, and the worker's module imports both (vllm_omni_cpu_test_platform.startup).
+    env[TEST_PLATFORM_ENV] = "1"
     return env
 
 

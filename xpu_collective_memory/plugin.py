@@ -3,13 +3,13 @@
 """``vllm_omni.general_plugins`` entry point: a released vLLM-Omni gets the whole-request fix where upstream makes it.
 
 Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(self)`` and
-``scope_remote_code(self.model)``, the platform and the coordinator own the request path's collectives, and
-the diffusion worker runs each request in its pool in pool mode. vLLM-Omni loads this plugin in every process (API
-server, LLM stages, workers of any model), so it only hooks: MiniMax-H3's adapter when its module is loaded, and a
-diffusion worker as it sets up its device. There, in every mode but pool (``VLLM_OMNI_PERSISTENT_COLLECTIVES`` ``1``,
-``auto`` or ``0``) it routes the request path's collectives (``request_path``), which stage where the mode says; in
-pool mode it routes none and runs each request entry point in the worker's private pool. Any other process is left
-untouched.
+``scope_remote_code(self.model)``, the platform and the coordinator own the request path's collectives, and the
+diffusion worker keeps its request pool (``VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1``) from ``init_device`` to
+``sleep()``. vLLM-Omni loads this plugin in every process (API server, LLM stages, workers of any model), so it only
+hooks: MiniMax-H3's adapter when its module is loaded, and a diffusion worker as it sets up its device. There,
+without the pool it routes the request path's collectives (``request_path``), which stage where
+``VLLM_OMNI_PERSISTENT_COLLECTIVES`` says; with the pool it routes none and runs each request entry point in the
+worker's pool. Any other process is left untouched.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from types import ModuleType
 from vllm.logger import init_logger
 
 from .overlay import check_overlay, omni_version
-from .renamed import old_entry_point
+from .renamed import old_entry_point, pool_switch_before_0_13
 
 # Under vLLM-Omni's logger, so its handlers and level apply: a top-level name would drop the INFO line.
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
@@ -36,7 +36,7 @@ _WORKER_MARK = "_persistent_collectives_hook"
 # What the hook relies on: the adapter's setup takes the component path, and the adapter reads the
 # checkpoint's parallel state the way install_tile_gather_reuse expects.
 _EXPECTED_METHODS = ("set_parallel_size", "_native_parallel_state", "offload_to_cpu")
-# The worker's entry points of a request: in pool mode each runs inside the worker's private pool.
+# The worker's entry points of a request: each runs inside the worker's request pool, where it has one.
 REQUEST_ENTRY_POINTS = ("execute_model", "execute_model_batch", "execute_stepwise")
 _warned = False
 
@@ -98,9 +98,13 @@ def hook_adapter(module: ModuleType) -> bool:
 
 
 def hook_worker(module: ModuleType) -> bool:
-    """Make ``DiffusionWorker.init_device`` first hook the request path (every mode but pool) or end by opening the
-    worker's pool (pool mode, where no collective is routed), and run each request entry point in that pool, once;
-    returns whether it is hooked."""
+    """Make the diffusion worker do what upstream's does, once; returns whether it is hooked.
+
+    ``init_device`` first hooks the request path, where no request pool is asked for, and ends by making the
+    worker's pool where one is (``request_pool``: after the device is set, before the model loads); each request
+    entry point runs in the worker's pool; ``sleep()`` drops the pool before its ``empty_cache()`` and
+    ``wake_up()`` makes a new one.
+    """
     worker = getattr(module, "DiffusionWorker", None)
     original = getattr(worker, "init_device", None) if isinstance(worker, type) else None
     if not callable(original):
@@ -109,23 +113,21 @@ def hook_worker(module: ModuleType) -> bool:
     if getattr(original, _WORKER_MARK, False):
         return True
 
-    from vllm_omni.distributed import request_pool
-    from vllm_omni.distributed.persistent_collectives import switch_mode, unstaged
+    from vllm_omni.distributed.persistent_collectives import unstaged
+    from vllm_omni.distributed.request_pool import open_request_pool, pool_enabled
 
     # Start-up and model load run plain collectives: what they set up keeps no block of its own.
     plain_init = unstaged()(original)
 
     @functools.wraps(original)
     def init_device(self, *args, **kwargs):
-        pooled = switch_mode() == request_pool.POOL_MODE
+        pooled = pool_enabled()
         if not pooled:
             hook_request_path()  # before the process groups exist, so that every coordinator is registered
         result = plain_init(self, *args, **kwargs)
-        if pooled:  # after the device is set, before anything loads
-            from vllm_omni.platforms import current_omni_platform
-
-            request_pool.open_worker_pool(current_omni_platform, self.device)
-            logger.info("[XPU_COLLECTIVE_MEMORY] pool mode: collectives are torch's own (vllm-omni %s)",
+        if pooled:
+            self.request_pool = _open_pool(open_request_pool, self)
+            logger.info("[XPU_COLLECTIVE_MEMORY] request memory pool: collectives are torch's own (vllm-omni %s)",
                         omni_version())  # fmt: skip
         return result
 
@@ -137,7 +139,17 @@ def hook_worker(module: ModuleType) -> bool:
     for name in REQUEST_ENTRY_POINTS:
         if callable(entry := getattr(worker, name, None)):
             setattr(worker, name, _in_request_memory(entry))
+    if callable(sleep := getattr(worker, "sleep", None)):
+        worker.sleep = _dropping_the_pool(sleep)
+    if callable(wake_up := getattr(worker, "wake_up", None)):
+        worker.wake_up = _remaking_the_pool(wake_up, open_request_pool)
     return True
+
+
+def _open_pool(open_request_pool, worker):
+    from vllm_omni.platforms import current_omni_platform
+
+    return open_request_pool(current_omni_platform, worker.device)
 
 
 def _in_request_memory(entry):
@@ -145,10 +157,30 @@ def _in_request_memory(entry):
 
     @functools.wraps(entry)
     def run_in_request_memory(self, *args, **kwargs):
-        with request_memory():
+        with request_memory(getattr(self, "request_pool", None)):
             return entry(self, *args, **kwargs)
 
     return run_in_request_memory
+
+
+def _dropping_the_pool(sleep):
+    @functools.wraps(sleep)
+    def sleep_without_the_pool(self, *args, **kwargs):
+        self.request_pool = None  # its free segments are released with the cache that sleep() empties
+        return sleep(self, *args, **kwargs)
+
+    return sleep_without_the_pool
+
+
+def _remaking_the_pool(wake_up, open_request_pool):
+    @functools.wraps(wake_up)
+    def wake_up_with_a_pool(self, *args, **kwargs):
+        woke = wake_up(self, *args, **kwargs)
+        if getattr(self, "request_pool", None) is None:
+            self.request_pool = _open_pool(open_request_pool, self)
+        return woke
+
+    return wake_up_with_a_pool
 
 
 def hook_request_path() -> None:
@@ -215,7 +247,10 @@ def register() -> None:
     alike on every rank, rather than leave one rank on other collectives than its peers.
     """
     from vllm_omni.distributed.persistent_collectives import block_cap, switch_mode
+    from vllm_omni.distributed.request_pool import pool_enabled
 
+    pool_switch_before_0_13()
+    pool_enabled()
     switch_mode()
     block_cap()
     for name in _HOOKS:

@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""The names operators may have set before 0.12.0, honoured for one release with a warning naming the new one.
+"""The names operators may have set in an earlier release, honoured for one more with a warning naming the new one.
 
-0.12.0 renamed the distribution (``minimax-h3-vae-gather`` to ``vllm-omni-xpu-collective-memory``) because it
-carries the whole-request fix for every diffusion model, not MiniMax-H3's VAE alone. Two names reach a running
-server from the operator's own configuration: the entry points in ``VLLM_PLUGINS`` and the census directory variable.
+0.12.0 renamed the distribution (``minimax-h3-vae-gather`` to ``vllm-omni-xpu-collective-memory``): two names reach
+a running server from the operator's own configuration, the entry points in ``VLLM_PLUGINS`` and the census
+directory variable. 0.13.0 gave the request pool its own variable: ``VLLM_OMNI_PERSISTENT_COLLECTIVES=pool``.
 """
 
 from __future__ import annotations
@@ -82,3 +82,31 @@ def census_dir_variable(env_name: str) -> tuple[str, str] | None:
             env_name,
         )
     return env_name if new is not None else CENSUS_ENV_BEFORE_0_12, old
+
+
+def pool_switch_before_0_13(environ=os.environ) -> None:
+    """``VLLM_OMNI_PERSISTENT_COLLECTIVES=pool`` (before 0.13.0) read as ``VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1``
+    with the collectives switch unset, in this process and the workers it starts; until 0.14.0, with a warning."""
+    from vllm_omni.distributed.persistent_collectives import SWITCH_ENV
+    from vllm_omni.distributed.request_pool import POOL_ENV
+
+    raw = environ.get(SWITCH_ENV)
+    if raw is None or raw.strip().lower() != "pool":
+        return
+    if environ.get(POOL_ENV, "1").strip() != "1":
+        raise ValueError(
+            f"{SWITCH_ENV}={raw!r} (the request pool, before 0.13.0) and {POOL_ENV}={environ[POOL_ENV]!r} disagree; "
+            f"set {POOL_ENV}=1 and unset {SWITCH_ENV}"
+        )
+    environ[POOL_ENV] = "1"
+    del environ[SWITCH_ENV]
+    if SWITCH_ENV not in _warned:
+        _warned.add(SWITCH_ENV)
+        logger.warning(
+            "[XPU_COLLECTIVE_MEMORY] %s=pool is %s=1 since 0.13.0; the old value stops working in 0.14.0: set "
+            "%s=1 and unset %s",
+            SWITCH_ENV,
+            POOL_ENV,
+            POOL_ENV,
+            SWITCH_ENV,
+        )

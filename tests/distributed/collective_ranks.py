@@ -29,6 +29,32 @@ WATCHED = (
 )
 
 
+_blocks: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
+
+
+def _remember_blocks() -> None:
+    """From this module's import on, every block ``collective_workspaces`` allocates in this rank is remembered."""
+    from vllm_omni.distributed import collective_workspaces
+
+    allocate = collective_workspaces.allocate_bytes
+
+    def allocate_and_remember(*args: Any, **kwargs: Any) -> torch.Tensor:
+        block = allocate(*args, **kwargs)
+        _blocks[block.data_ptr()] = block.untyped_storage()
+        return block
+
+    collective_workspaces.allocate_bytes = allocate_and_remember
+
+
+def is_persistent(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lies in a live block allocated since this module was imported."""
+    storage = tensor.untyped_storage()
+    return _blocks.get(storage.data_ptr()) is storage
+
+
+_remember_blocks()
+
+
 class BackendRecorder:
     """Test-only: in this rank, records the storages ``torch.distributed``'s collectives are handed, per request.
 
@@ -40,33 +66,14 @@ class BackendRecorder:
         self.requests: list[list[tuple[str, list[tuple[int, bool]]]]] = [[]]
         self._saved: dict[str, Callable] = {}
         self._depth = 0
-        self._blocks: weakref.WeakValueDictionary[int, torch.UntypedStorage] = weakref.WeakValueDictionary()
 
     def __enter__(self) -> BackendRecorder:
-        from vllm_omni.distributed import collective_workspaces
-
-        allocate = self._allocate = collective_workspaces.allocate_bytes
-
-        def allocate_and_remember(*args: Any, **kwargs: Any) -> torch.Tensor:
-            block = allocate(*args, **kwargs)
-            self._blocks[block.data_ptr()] = block.untyped_storage()
-            return block
-
-        collective_workspaces.allocate_bytes = allocate_and_remember
         for name in WATCHED:
             self._saved[name] = getattr(dist, name)
             setattr(dist, name, self._recording(name, self._saved[name]))
         return self
 
-    def is_persistent(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` lies in a live block allocated while this recorder was active."""
-        storage = tensor.untyped_storage()
-        return self._blocks.get(storage.data_ptr()) is storage
-
     def __exit__(self, *exc: Any) -> None:
-        from vllm_omni.distributed import collective_workspaces
-
-        collective_workspaces.allocate_bytes = self._allocate
         for name, original in self._saved.items():
             setattr(dist, name, original)
         if not self.requests[-1]:
@@ -79,7 +86,7 @@ class BackendRecorder:
                 values = [*args, *kwargs.values()]
                 flat = [v for value in values for v in (value if isinstance(value, list) else [value])]
                 tensors = [getattr(v, "tensor", v) for v in flat if isinstance(getattr(v, "tensor", v), torch.Tensor)]
-                handed = [(t.untyped_storage().data_ptr(), self.is_persistent(t)) for t in tensors]
+                handed = [(t.untyped_storage().data_ptr(), is_persistent(t)) for t in tensors]
                 self.requests[-1].append((name, handed))
             self._depth += 1
             try:
@@ -233,7 +240,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
                     report["equal"][key] = report["equal"].get(key, True) and [bits(t) for t in got] == [
                         bits(t) for t in expected[name]
                     ]
-                    report["aliases"] += [key for t in got if recorder.is_persistent(t)]
+                    report["aliases"] += [key for t in got if is_persistent(t)]
             recorder.end_request()
     # The plain half of each request hands the backend caller tensors; the staged half only blocks. Count both.
     report["requests"] = recorder.summary()

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.distributed.collective_ranks import SWITCH_ENV, BackendRecorder, bits, data
+from tests.distributed.collective_ranks import SWITCH_ENV, BackendRecorder, bits, data, is_persistent
 
 
 class _Dit(torch.nn.Module):
@@ -70,7 +70,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
             "equal": [bits(out) for out in outputs] == oracle,
             "requests": recorder.summary(),
             "custom": [_comm_name(unit) for unit in [*model.blocks, model]],
-            "outputs_in_blocks": any(recorder.is_persistent(out) for out in outputs),
+            "outputs_in_blocks": any(is_persistent(out) for out in outputs),
             "largest_unit_bytes": max(
                 4 * sum(p.numel() for p in u.parameters()) for u in [model.proj_in, *model.blocks]
             ),

@@ -8,7 +8,6 @@ chunked on its own would run other wire collectives than its peers. The pool is 
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 
@@ -64,12 +63,12 @@ def checks(rank: int, world: int) -> dict:
         return values.clone() if rank == 0 else before[name].copy_(values)
 
     oracle = kinds(dist, rank, world, keep)  # also makes the tensors that outlive it, before any request
-    os.environ[SWITCH_ENV] = "pool"
-    pool = request_pool._worker = request_pool.RequestPool(mem_pool, torch.device("cpu"))
+    os.environ[request_pool.POOL_ENV], os.environ[SWITCH_ENV] = "1", "auto"
+    pool = request_pool.RequestPool(mem_pool, torch.device("cpu"))
 
     def run(in_request: bool) -> dict:
         recorder = BackendRecorder()
-        with recorder, request_pool.request_memory() if in_request else contextlib.nullcontext():
+        with recorder, request_pool.request_memory(pool if in_request else None):
             results = kinds(managed_distributed, rank, world, mine)
         collectives = pc.platform_collectives()
         return {
@@ -82,6 +81,6 @@ def checks(rank: int, world: int) -> dict:
     report = {"in_request": run(True), "outside_request": run(False), "in_request_again": run(True)}
     report |= {"pool_requests": pool.requests, "pools_made": mem_pool.MemPool.made, "active_after": pool.active}
     report["snapshots"] = pool._pool.snapshots  # nothing asked the pool what it holds
-    os.environ[SWITCH_ENV] = "0"
+    os.environ[request_pool.POOL_ENV], os.environ[SWITCH_ENV] = "0", "0"
     dist.barrier()
     return report

@@ -265,10 +265,24 @@ def test_the_block_cap_defaults_to_64_mib_and_reads_whole_mib():
     assert pc.parse_block_cap(None) == 64 << 20 and pc.parse_block_cap(" 8 ") == 8 << 20
 
 
-def test_pool_mode_picks_torchs_own_collectives_on_any_platform_and_auto_stays_staging(monkeypatch):
+def test_with_the_request_pool_auto_picks_torchs_own_collectives_and_1_is_refused_by_name(monkeypatch):
     from vllm_omni.distributed import persistent_collectives as pc
 
-    monkeypatch.setenv(pc.SWITCH_ENV, "pool")
-    assert not pc.collectives_for("xpu").staged and not pc.collectives_for("cpu").staged
+    monkeypatch.setenv(pc.POOL_ENV, "1")
     monkeypatch.setenv(pc.SWITCH_ENV, "auto")
-    assert pc.collectives_for("xpu").staged
+    assert not pc.collectives_for("xpu").staged and not pc.collectives_for("cpu").staged
+    monkeypatch.setenv(pc.SWITCH_ENV, "1")
+    with pytest.raises(ValueError, match=rf"^{pc.SWITCH_ENV}=1 and {pc.POOL_ENV}=1 each keep .* set one of them"):
+        pc.collectives_for("xpu")
+    monkeypatch.setenv(pc.POOL_ENV, "0")
+    monkeypatch.setenv(pc.SWITCH_ENV, "auto")
+    assert pc.collectives_for("xpu").staged and not pc.collectives_for("cpu").staged
+
+
+@pytest.mark.parametrize("raw", ["pool", "", "yes", "2"])
+def test_a_switch_value_other_than_auto_1_or_0_is_refused_naming_it(monkeypatch, raw):
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    monkeypatch.setenv(pc.SWITCH_ENV, raw)
+    with pytest.raises(ValueError, match=rf"^{pc.SWITCH_ENV}={raw!r} is not valid; expected one of 'auto', '1'"):
+        pc.switch_mode()

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Pool mode: the switch, the worker's request pool and what it refuses. The pool API is a stand-in for
+"""The worker's request pool: its switch, what it refuses, and its life in the diffusion worker (made with the device,
+entered around each request, released by ``sleep()``, made again by ``wake_up()``). The pool API is a stand-in for
 ``torch.xpu``'s (``mem_pool_stand_in``; no XPU or caching allocator here): these tests prove when the pool is in
 use and on which device, not where the allocator puts memory."""
 
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import re
 import types
+import weakref
 
 import pytest
 import torch
@@ -25,12 +27,21 @@ def pool():
     return request_pool.RequestPool(mem_pool, CPU)
 
 
-def test_the_switch_takes_pool_and_names_it_among_the_values_it_expects(monkeypatch):
-    monkeypatch.setenv(request_pool.SWITCH_ENV, " Pool ")
-    assert request_pool.switch_mode() == "pool"
-    monkeypatch.setenv(request_pool.SWITCH_ENV, "pools")
-    with pytest.raises(ValueError, match=r"VLLM_OMNI_PERSISTENT_COLLECTIVES='pools' is not valid; .*'pool'"):
-        request_pool.switch_mode()
+@pytest.mark.parametrize("raw,enabled", [(None, False), ("0", False), ("1", True), (" 1 ", True)])
+def test_the_switch_is_off_unless_set_to_1_and_the_diffusion_envs_read_it(monkeypatch, raw, enabled):
+    from vllm_omni.diffusion import envs
+
+    monkeypatch.delenv(request_pool.POOL_ENV, raising=False) if raw is None else monkeypatch.setenv(
+        request_pool.POOL_ENV, raw
+    )
+    assert request_pool.pool_enabled() is enabled and envs.VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL is enabled
+
+
+@pytest.mark.parametrize("raw", ["", "pool", "true", "2", "auto"])
+def test_any_other_switch_value_is_refused_naming_it_and_the_values_expected(monkeypatch, raw):
+    monkeypatch.setenv(request_pool.POOL_ENV, raw)
+    with pytest.raises(ValueError, match=rf"^VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL={raw!r} is not valid; expected '0'"):
+        request_pool.pool_enabled()
 
 
 def test_pool_mode_refuses_a_torch_whose_device_module_has_no_mem_pool_naming_the_version():
@@ -82,12 +93,104 @@ def test_an_entry_point_called_from_another_enters_the_pool_once(pool):
     assert pool.requests == 1 and not pool.active
 
 
-def test_the_worker_pool_is_made_once_and_outside_pool_mode_requests_run_in_no_pool(monkeypatch):
-    monkeypatch.setattr(request_pool, "_worker", None)
-    with request_pool.request_memory():
-        assert request_pool.worker_pool() is None
-    platform = types.SimpleNamespace(device_type="cpu", mem_pool_api=lambda: mem_pool, get_torch_device=lambda: CPU)
+def test_no_pool_is_made_unless_the_switch_is_on_and_requests_then_run_in_the_default_pool(monkeypatch):
+    monkeypatch.delenv(request_pool.POOL_ENV, raising=False)
     made = mem_pool.MemPool.made
-    first = request_pool.open_worker_pool(platform)  # the platform's current device, as the worker sets it
-    assert request_pool.open_worker_pool(platform, "cpu") is first and mem_pool.MemPool.made == made + 1
-    assert first.device == CPU
+    assert request_pool.open_request_pool(_platform([]), CPU) is None and mem_pool.MemPool.made == made
+    with request_pool.request_memory(None):
+        pass
+
+
+def test_a_pool_is_made_on_the_device_it_is_given_and_refuses_expandable_segments_first(monkeypatch):
+    monkeypatch.setenv(request_pool.POOL_ENV, "1")
+    pool = request_pool.open_request_pool(_platform([]), "cpu")
+    assert pool.device == CPU and isinstance(pool._pool, mem_pool.MemPool)
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:True")
+    made = mem_pool.MemPool.made
+    with pytest.raises(ValueError, match="expandable segments"):
+        request_pool.open_request_pool(_platform([]), "cpu")
+    assert mem_pool.MemPool.made == made
+
+
+# The diffusion worker: its own sleep() and wake_up(), with its allocator and platform standing in for a card's.
+
+
+def _platform(events):
+    return types.SimpleNamespace(
+        device_type="cpu",
+        mem_pool_api=lambda: mem_pool,
+        empty_cache=lambda: events.append("empty_cache"),
+        synchronize=lambda *args: None,
+        get_free_memory=lambda *args: 0,
+        get_device_total_memory=lambda *args: 0,
+    )
+
+
+class _SleepAllocator:
+    """vLLM's CuMemAllocator as sleep() and wake_up() use it, holding nothing."""
+
+    @classmethod
+    def get_instance(cls):
+        return cls()
+
+    def get_current_usage(self):
+        return 0
+
+    def sleep(self, offload_tags=()):
+        pass
+
+    def wake_up(self, tags=None):
+        pass
+
+
+@pytest.fixture
+def worker(monkeypatch):
+    """A DiffusionWorker past init_device (no process group here), in a process whose switch is on."""
+    from vllm_omni.diffusion.worker import diffusion_worker
+
+    events: list[str] = []
+    platform = _platform(events)
+    monkeypatch.setenv(request_pool.POOL_ENV, "1")
+    monkeypatch.setattr(diffusion_worker, "current_omni_platform", platform)
+    monkeypatch.setattr(diffusion_worker, "_get_cumem_allocator_class", lambda: _SleepAllocator)
+    worker = object.__new__(diffusion_worker.DiffusionWorker)
+    worker.rank, worker.device, worker.model_runner, worker.profiler = 0, CPU, None, None
+    worker.od_config, worker._sleep_saved_buffers = types.SimpleNamespace(), {}
+    worker.request_pool = request_pool.open_request_pool(platform, CPU)  # as init_device makes it
+    worker.platform, worker.events = platform, events
+    return worker
+
+
+def test_sleep_releases_the_workers_pool_before_it_empties_the_cache_and_wake_up_makes_a_new_one(worker):
+    pool = weakref.ref(worker.request_pool._pool)
+    worker.platform.empty_cache = lambda: worker.events.append(("empty_cache", pool() is None))
+    worker.sleep(level=1)
+    # Dropped before empty_cache(): the allocator then frees the free segments of a pool no longer alive.
+    assert worker.request_pool is None and worker.events == [("empty_cache", True)]
+    made = mem_pool.MemPool.made
+    worker.wake_up()
+    assert worker.request_pool is not None and mem_pool.MemPool.made == made + 1
+    assert worker.request_pool.device == CPU
+
+
+def test_wake_up_without_a_sleep_keeps_the_pool_it_has(worker):
+    pool = worker.request_pool
+    worker.wake_up()
+    assert worker.request_pool is pool
+
+
+def test_each_request_entry_point_runs_in_the_workers_pool_once(worker):
+    seen = []
+
+    class Runner:
+        def execute_model_batch(self, scheduler_output, od_config):
+            seen.append(worker.request_pool.active)
+
+        def execute_stepwise(self, scheduler_output):
+            seen.append(worker.request_pool.active)
+
+    worker.model_runner, worker.lora_manager = Runner(), None
+    worker._activate_step_lora = lambda scheduler_output: None
+    worker.execute_model_batch(types.SimpleNamespace(scheduled_new_reqs=[]), worker.od_config)
+    worker.execute_stepwise(types.SimpleNamespace())
+    assert seen == [True, True] and worker.request_pool.requests == 2 and not worker.request_pool.active

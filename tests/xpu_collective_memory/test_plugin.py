@@ -209,6 +209,12 @@ def in_a_worker() -> dict[str, dict]:
         "pool": (_pool_mode_in_a_worker, True),
         "pool without MemPool": (_pool_mode_in_a_worker, False),
         "pool expandable": (_pool_mode_in_a_worker, True, EXPANDABLE),
+        "pool under its name before 0.13.0": (
+            _pool_mode_in_a_worker,
+            True,
+            "",
+            {"VLLM_OMNI_PERSISTENT_COLLECTIVES": "pool"},
+        ),
     }
     return _started_together(scenarios, VLLM_OMNI_CPU_TEST_PLATFORM="1")
 
@@ -249,9 +255,9 @@ def test_a_bad_block_cap_fails_the_plugin_load_naming_the_value(in_a_worker):
 EXPANDABLE = "garbage_collection_threshold:0.6,expandable_segments:True"
 
 
-def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc_conf: str = "") -> dict:
-    """A diffusion worker in pool mode, its start-up, load and request entry points stood in for; records whether
-    the worker's pool was in use in each, and whether anything routes collectives."""
+def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc_conf: str = "", env=None) -> dict:
+    """A diffusion worker with its request pool, its start-up, load, request entry points, sleep and wake-up stood in
+    for; records whether the worker's pool was in use in each, and whether anything routes collectives."""
     import types
 
     import torch
@@ -267,27 +273,31 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
 
     seen: list[tuple[str, bool]] = []
 
-    def record(name: str) -> None:
-        pool = request_pool.worker_pool()
+    def record(self, name: str) -> None:
+        pool = getattr(self, "request_pool", None)
         seen.append((name, pool is not None and pool.active))
 
     worker = diffusion_worker.DiffusionWorker
 
     def execute_model(self, req, fail=False):
-        record("execute_model")
+        record(self, "execute_model")
         if fail:
             raise RuntimeError("the forward failed")
         worker.execute_stepwise(self, None)  # one entry point calling another
 
-    worker.init_device = lambda self: seen.append(("init_device", request_pool.worker_pool() is not None))
-    worker.load_model = lambda self, **kwargs: record("load_model")
+    worker.init_device = lambda self: seen.append(("init_device", getattr(self, "request_pool", None) is not None))
+    worker.load_model = lambda self, **kwargs: record(self, "load_model")
     worker.execute_model = execute_model
-    worker.execute_model_batch = lambda self, *args: record("execute_model_batch")
-    worker.execute_stepwise = lambda self, *args: record("execute_stepwise")
+    worker.execute_model_batch = lambda self, *args: record(self, "execute_model_batch")
+    worker.execute_stepwise = lambda self, *args: record(self, "execute_stepwise")
+    worker.sleep = lambda self, level=1: seen.append(
+        ("sleep: pool dropped before its empty_cache", self.request_pool is None)
+    )
+    worker.wake_up = lambda self, tags=None: True
     if not platform_has_pool:
         type(current_omni_platform).mem_pool_api = None
     os.environ.pop("VLLM_PLUGINS", None)
-    os.environ[pc.SWITCH_ENV] = "pool"
+    os.environ.update(env or {request_pool.POOL_ENV: "1"})
     os.environ["PYTORCH_ALLOC_CONF"] = alloc_conf
     load_omni_general_plugins()
     this = types.SimpleNamespace(device=torch.device("cpu"))  # what the worker's own init_device sets
@@ -300,39 +310,48 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
     with contextlib.suppress(RuntimeError):
         worker.execute_model(this, None, fail=True)
     worker.execute_model_batch(this, None, None)
-    pool = request_pool.worker_pool()
+    pool = this.request_pool
+    worker.sleep(this)
+    made_before_wake_up = MemPool.made
+    worker.wake_up(this)
     return {
         "seen": seen,
         "entries": pool._pool.entries,
-        "pools_made": MemPool.made,
+        "pools_made": made_before_wake_up,
+        "pool_after_wake_up": MemPool.made == made_before_wake_up + 1 and this.request_pool is not pool,
         "active_after": pool.active,
         "routed": plugin._request_path_hook is not None or GroupCoordinator.all_reduce is pc.coordinator_all_reduce,
         "collectives": type(pc.platform_collectives()).__name__ + str(pc.platform_collectives().staged),
+        "switches": {name: os.environ.get(name) for name in (request_pool.POOL_ENV, pc.SWITCH_ENV)},
     }
 
 
-def test_pool_mode_opens_one_pool_after_start_up_and_runs_every_request_entry_point_in_it_but_not_the_load(
-    in_a_worker,
+@pytest.mark.parametrize("key", ["pool", "pool under its name before 0.13.0"])
+def test_the_request_pool_is_made_after_start_up_every_request_entry_point_runs_in_it_and_sleep_drops_it(
+    in_a_worker, key
 ):
-    report = _outcome(in_a_worker, "pool")
+    report = _outcome(in_a_worker, key)
     assert report == {
         "seen": [
-            ("init_device", False),  # the pool is opened once the device is set
+            ("init_device", False),  # the pool is made once the device is set
             ("load_model", False),
             ("execute_model", True),
             ("execute_stepwise", True),
             ("execute_model", True),  # the one that raises: the pool is closed behind it
             ("execute_model_batch", True),
+            ("sleep: pool dropped before its empty_cache", True),
         ],
         "entries": 3,  # the nested entry point does not enter again
         "pools_made": 1,
+        "pool_after_wake_up": True,  # wake_up makes a new one
         "active_after": False,
         "routed": False,  # no module rebound, the coordinator as released
         "collectives": "CollectivesFalse",  # and the platform's are torch's own, unstaged
+        "switches": {"VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL": "1", "VLLM_OMNI_PERSISTENT_COLLECTIVES": None},
     }
 
 
-def test_pool_mode_on_a_platform_whose_torch_has_no_mem_pool_fails_the_workers_start_up_naming_the_version(
+def test_the_request_pool_on_a_platform_whose_torch_has_no_mem_pool_fails_the_workers_start_up_naming_it(
     in_a_worker,
 ):
     import torch
@@ -341,7 +360,7 @@ def test_pool_mode_on_a_platform_whose_torch_has_no_mem_pool_fails_the_workers_s
     assert f"torch.cpu.MemPool and use_mem_pool, which torch {torch.__version__} does not have" in report["error"]
 
 
-def test_pool_mode_with_expandable_segments_fails_the_workers_start_up_naming_the_variable_and_its_value(
+def test_the_request_pool_with_expandable_segments_fails_the_workers_start_up_naming_the_variable(
     in_a_worker,
 ):
     report = _outcome(in_a_worker, "pool expandable")

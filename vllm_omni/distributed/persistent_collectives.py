@@ -21,13 +21,28 @@ import torch.distributed as dist
 from vllm.logger import init_logger
 
 from .collective_workspaces import GrowOnlyBlock, resolve_device, synchronize
-from .request_pool import SWITCH_ENV, switch_mode
+from .request_pool import POOL_ENV, pool_enabled
 
 logger = init_logger(__name__)
 
+SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 CAP_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB"
 DEFAULT_CAP_MIB = 64  # vLLM's symmetric-memory all-reduce stages up to 32-64 MiB
 _NON_MEMBER = dist.GroupMember.NON_GROUP_MEMBER
+
+
+def switch_mode() -> str:
+    """``VLLM_OMNI_PERSISTENT_COLLECTIVES``: ``auto`` (default: staged on XPU, unless each request runs in a private
+    memory pool), ``1`` (staged on any device) or ``0``. Staging on top of the pool is refused: one of them is enough,
+    and which is better is for cards to show."""
+    value = (raw := os.environ.get(SWITCH_ENV, "auto")).strip().lower()
+    if value not in ("auto", "1", "0"):
+        raise ValueError(f"{SWITCH_ENV}={raw!r} is not valid; expected one of 'auto', '1' or '0'")
+    if value == "1" and pool_enabled():
+        raise ValueError(
+            f"{SWITCH_ENV}=1 and {POOL_ENV}=1 each keep collective buffers in place; set one of them, not both"
+        )
+    return value
 
 
 def parse_block_cap(raw: str | None) -> int:
@@ -526,16 +541,16 @@ class Collectives:
 
 
 _PLAIN, _PERSISTENT = Collectives(persistent=False), Collectives(persistent=True)
-_choices: dict[tuple[str | None, str], Collectives] = {}
+_choices: dict[tuple[str | None, str | None, str], Collectives] = {}
 
 
 def collectives_for(device_type: str) -> Collectives:
     """The process's collectives for a platform of ``device_type``, as the switch says (pool mode: torch's own)."""
-    key = (os.environ.get(SWITCH_ENV), device_type)
+    key = (os.environ.get(SWITCH_ENV), os.environ.get(POOL_ENV), device_type)
     choice = _choices.get(key)
     if choice is None:
         mode = switch_mode()
-        staged = mode == "1" or (mode == "auto" and device_type == "xpu")
+        staged = mode == "1" or (mode == "auto" and device_type == "xpu" and not pool_enabled())
         choice = _choices[key] = _PERSISTENT if staged else _PLAIN
         if choice.staged:
             block_cap()  # a bad cap is an error where it would be used, before the first collective

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Pool mode (``VLLM_OMNI_PERSISTENT_COLLECTIVES=pool``): a diffusion worker runs every request inside one private
-memory pool that lives as long as the worker. ``empty_cache()`` and the allocator's retry after an out-of-memory
-error release only the default pool and pools no longer alive, so what a request hands a collective sits in segments
-the backend has seen before. Collectives stay torch's own: nothing is copied, routed or asked where a tensor lives.
+"""Each request of a diffusion worker in one private memory pool (``VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1``).
+
+The worker makes the pool once its device is set and keeps it until it sleeps. ``empty_cache()`` and the allocator's
+retry after an out-of-memory error release only the default pool and pools no longer alive, so what a request hands
+a collective sits in segments the backend has seen before. Collectives stay torch's own: nothing is copied or routed.
 
 One pool for all components: they run one after another, so the pool holds the largest working set, and what
 offload frees in one component the next reuses inside the pool. Only the request's thread allocates in it, and a
@@ -21,17 +22,16 @@ from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
-SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
-POOL_MODE = "pool"
+POOL_ENV = "VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL"
 
 
-def switch_mode() -> str:
-    """``VLLM_OMNI_PERSISTENT_COLLECTIVES``, one switch for both mechanisms: ``pool`` (this module), ``auto``
-    (default: staged on XPU only, ``persistent_collectives``), ``1`` (staged on any device) or ``0``."""
-    value = (raw := os.environ.get(SWITCH_ENV, "auto")).strip().lower()
-    if value not in ("auto", "1", POOL_MODE, "0"):
-        raise ValueError(f"{SWITCH_ENV}={raw!r} is not valid; expected one of 'auto', '1', 'pool' or '0'")
-    return value
+def pool_enabled() -> bool:
+    """``VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL``: ``0`` (default) or ``1``."""
+    raw = os.environ.get(POOL_ENV)
+    value = "0" if raw is None else raw.strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"{POOL_ENV}={raw!r} is not valid; expected '0' or '1'")
+    return value == "1"
 
 
 def pool_api(platform: Any) -> Any:
@@ -41,8 +41,8 @@ def pool_api(platform: Any) -> Any:
     api = own() if callable(own) else getattr(torch, platform.device_type, None)
     if not (callable(getattr(api, "MemPool", None)) and callable(getattr(api, "use_mem_pool", None))):
         raise RuntimeError(
-            f"VLLM_OMNI_PERSISTENT_COLLECTIVES=pool needs torch.{platform.device_type}.MemPool and use_mem_pool, "
-            f"which torch {torch.__version__} does not have (XPU has them from torch 2.11); use 'auto' or '1'"
+            f"{POOL_ENV}=1 needs torch.{platform.device_type}.MemPool and use_mem_pool, which torch "
+            f"{torch.__version__} does not have (XPU has them from torch 2.11); unset {POOL_ENV}"
         )
     return api
 
@@ -56,8 +56,8 @@ def refuse_expandable_segments(device_type: str, environ: Any = os.environ) -> N
         options = dict(item.partition(":")[::2] for item in raw.replace(" ", "").split(",") if item)
         if options.get("expandable_segments", "").lower() == "true":
             raise ValueError(
-                f"{name}={raw!r} turns on expandable segments, which VLLM_OMNI_PERSISTENT_COLLECTIVES=pool cannot "
-                f"use; remove expandable_segments:True from {name}, or use VLLM_OMNI_PERSISTENT_COLLECTIVES=auto"
+                f"{name}={raw!r} turns on expandable segments, which {POOL_ENV}=1 cannot use; remove "
+                f"expandable_segments:True from {name}, or unset {POOL_ENV}"
             )
 
 
@@ -91,29 +91,21 @@ class RequestPool:
                 self._depth = 0
 
 
-_worker: RequestPool | None = None
+def open_request_pool(platform: Any, device: torch.device | str) -> RequestPool | None:
+    """The worker's pool on its ``device`` where ``VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1``, else None. Made once the
+    device is set, before the model loads; refuses, alike on every rank, what the pool cannot work with."""
+    if not pool_enabled():
+        return None
+    device = torch.device(device)
+    refuse_expandable_segments(device.type)
+    api = pool_api(platform)
+    if device.index is None and device.type != "cpu":
+        device = torch.device(device.type, api.current_device())
+    pool = RequestPool(api, device)
+    logger.info("[REQUEST_POOL] each request of this worker allocates in one private memory pool (%s)", device)
+    return pool
 
 
-def open_worker_pool(platform: Any, device: torch.device | str | None = None) -> RequestPool:
-    """This diffusion worker's pool on ``device`` (default: the platform's current one), made once, after the device
-    is set and before the model loads; refuses, alike on every rank, what the pool cannot work with."""
-    global _worker
-    if _worker is None:
-        device = torch.device(device if device is not None else platform.get_torch_device())
-        refuse_expandable_segments(device.type)
-        api = pool_api(platform)
-        if device.index is None and device.type != "cpu":
-            device = torch.device(device.type, api.current_device())
-        _worker = RequestPool(api, device)
-        logger.info("[REQUEST_POOL] each request of this worker allocates in one private memory pool (%s)",
-                    device)  # fmt: skip
-    return _worker
-
-
-def worker_pool() -> RequestPool | None:
-    return _worker
-
-
-def request_memory() -> contextlib.AbstractContextManager:
-    """Around a request's forward: its allocations in the worker's pool, where pool mode opened one."""
-    return _worker.request() if _worker is not None else contextlib.nullcontext()
+def request_memory(pool: RequestPool | None) -> contextlib.AbstractContextManager:
+    """Around a request's forward: its allocations in ``pool``, where the worker has one."""
+    return pool.request() if pool is not None else contextlib.nullcontext()

@@ -176,6 +176,31 @@ def test_env_mode_decides_where_the_override_is_installed(monkeypatch, device_st
         assert "_all_gather_tiled_results" not in vars(adapter.model)
 
 
+def _adapter_built_by_its_own_init(monkeypatch, checkpoint):
+    """``MiniMaxH3VideoVAE.__init__`` as it runs, with the component's loading stubbed out (no checkpoint here)."""
+    from vllm_omni.diffusion.models.minimax_h3 import vae as vae_module
+
+    if not hasattr(vae_module, "install_tile_gather_reuse"):
+        pytest.skip("this vLLM-Omni's adapter does not install the gather itself (a release: the plugin does)")
+    remote = torch.nn.Module()
+    remote.model = checkpoint
+    config = {"latent_channels": 1, "latents_mean": [0.0], "latents_std": [1.0]}
+    monkeypatch.setattr(vae_module, "_load_component_config", lambda path: config)
+    monkeypatch.setattr(vae_module, "_load_remote_component", lambda path, config, **kwargs: remote)
+    monkeypatch.setattr(torch, "get_device_module", lambda *args, **kwargs: None)  # CPU torch: no device module
+    return vae_module.MiniMaxH3VideoVAE("unused", device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("env,installed", [("1", True), ("auto", False), ("0", False)])
+def test_the_adapters_own_init_installs_the_gather_as_the_switch_says(monkeypatch, env, installed):
+    monkeypatch.setenv(REUSE_ENV, env)
+    checkpoint = StandInCheckpoint()
+    adapter = _adapter_built_by_its_own_init(monkeypatch, checkpoint)
+    assert adapter.model is checkpoint and (get_tile_gather(adapter) is not None) is installed
+    if not installed:  # off XPU, the checkpoint's own method, untouched
+        assert "_all_gather_tiled_results" not in vars(checkpoint)
+
+
 @pytest.mark.parametrize("value", ["", "yes", "true", "2", "on", "xpu"])
 def test_bad_env_value_raises_naming_the_value(monkeypatch, device_stand_in, value):
     monkeypatch.setenv(REUSE_ENV, value)
