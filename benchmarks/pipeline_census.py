@@ -40,6 +40,7 @@ from tooling import serve_cpu
 from tooling.upstream_patches import plugins_without_ours
 from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV
 from vllm_omni.distributed.persistent_collectives import SWITCH_ENV
+from vllm_omni.distributed.request_pool import POOL_ENV
 from xpu_collective_memory.census import CENSUS_ENV, COMPONENTS
 from xpu_collective_memory.renamed import CENSUS_ENV_BEFORE_0_12, CENSUS_PLUGIN, PLUGIN, listed_plugins
 
@@ -67,11 +68,11 @@ PROMPT = "a red fox running through fresh snow"
 # Each run's switches: both fixes off, MiniMax-H3's VAE tile gather only, the whole request staged, and the whole
 # request in the worker's private memory pool (on CPU ranks, the test platform's stand-in for the pool API).
 RUNS = {
-    "off": {REUSE_ENV: "0", SWITCH_ENV: "0"},
-    "vae": {REUSE_ENV: "1", SWITCH_ENV: "0"},
-    "whole": {REUSE_ENV: "1", SWITCH_ENV: "1"},
-    "pool": {REUSE_ENV: "1", SWITCH_ENV: "pool"},
-    "release": {REUSE_ENV: "0", SWITCH_ENV: "0"},  # this project's fix not loaded at all (the census still is)
+    "off": {REUSE_ENV: "0", SWITCH_ENV: "0", POOL_ENV: "0"},
+    "vae": {REUSE_ENV: "1", SWITCH_ENV: "0", POOL_ENV: "0"},
+    "whole": {REUSE_ENV: "1", SWITCH_ENV: "1", POOL_ENV: "0"},
+    "pool": {REUSE_ENV: "1", SWITCH_ENV: "0", POOL_ENV: "1"},
+    "release": {REUSE_ENV: "0", SWITCH_ENV: "0", POOL_ENV: "0"},  # this project's fix not loaded (the census is)
 }
 # Pool mode routes no collective, so the DiT compiles as released: its oracle (media, graph breaks) is the release,
 # served beside it wherever the DiT's compiled graph is not the same with the collectives routed.
@@ -589,7 +590,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--without-pool-run",
         action="store_true",
-        help="serve no pool-mode run (VLLM_OMNI_PERSISTENT_COLLECTIVES=pool), nor the release run beside it",
+        help="serve no request-pool run (VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1), nor the release run beside it",
     )
     parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")

@@ -10,8 +10,9 @@ text-to-video (Ulysses 4) with ``--pipeline wan2_2``:
     python -m tooling.serve_cpu --output-dir out/serve_cpu
     python -m tooling.serve_cpu --pipeline wan2_2 --output-dir out/serve_cpu_wan2_2
 
-``VLLM_OMNI_PERSISTENT_COLLECTIVES`` in the environment picks the whole-request fix's mode (default ``1``, staged;
-``pool`` runs each request in the worker's private memory pool, here the CPU test platform's stand-in for it).
+``VLLM_OMNI_PERSISTENT_COLLECTIVES`` in the environment picks staging (default ``1`` here);
+``VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1`` runs each request in the worker's private memory pool instead (here the
+CPU test platform's stand-in for it).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ RECEIPTS = {
     "pool_entries": r"\[MEM_POOL_STAND_IN\] MemPool \(\d+, \d+\) in use ",
 }
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
+POOL_ENV = "VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL"
 # The log tags of the plugin, the VAE gather and staging: where the fix says it applied.
 FIX_TAGS = ("[XPU_COLLECTIVE_MEMORY]", "[H3_VAE_GATHER]", "[PERSISTENT_COLLECTIVES]")
 
@@ -235,8 +237,10 @@ def main(argv: list[str] | None = None) -> int:
 
     model = build_synthetic_pipeline()
     print(f"[serve_cpu] serving {model} on {WORLD} CPU ranks (takes about a minute to start)", file=sys.stderr)
-    switch = os.environ.get(SWITCH_ENV, "1")
-    with serve(model, args.output_dir / "server.log", reuse="1", env={SWITCH_ENV: switch}) as server:
+    pooled = os.environ.get(POOL_ENV, "0").strip() == "1"
+    switch = os.environ.get(SWITCH_ENV, "0" if pooled else "1")
+    env = {SWITCH_ENV: switch, POOL_ENV: "1" if pooled else "0"}
+    with serve(model, args.output_dir / "server.log", reuse="1", env=env) as server:
         mp4 = request_video(server, args.prompt, seed=0)
     (args.output_dir / "t2va.mp4").write_bytes(mp4)
     log = (args.output_dir / "server.log").read_text(errors="replace")
@@ -247,10 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         print(*(f"  {line}" for line in lines if kind in line), sep="\n")
     gathers, allocs = counts["gathers"], counts["workspace_allocs"]
     print(f"  ... {gathers} tile gathers served by the reused workspace in all, {allocs} workspace allocation(s)")
-    pooled = switch.strip().lower() == "pool"
     if pooled:
         made, entered = receipt_pids(log, "pools_made"), receipt_pids(log, "pool_entries")
-        print(f"  request pool ({SWITCH_ENV}=pool): pools made per worker {sorted(made.values())}, ", end="")
+        print(f"  request pool ({POOL_ENV}=1): pools made per worker {sorted(made.values())}, ", end="")
         print(f"requests entered per worker {sorted(entered.values())}")
     print(f"video: {media_info(mp4)} -> {args.output_dir / 't2va.mp4'}")
     in_pool = not pooled or sorted(receipt_pids(log, "pools_made").values()) == [1] * WORLD

@@ -127,10 +127,14 @@ def test_hsdp_shards_with_the_persistent_fully_shard(whole):
     assert "from vllm_omni.distributed.persistent_fsdp import fully_shard" in (whole / HSDP).read_text()
 
 
-def test_the_worker_opens_its_pool_on_its_device_and_starts_and_loads_with_plain_collectives(whole):
+def test_the_worker_keeps_its_pool_from_init_device_to_sleep_and_starts_and_loads_with_plain_collectives(whole):
     worker = (whole / WORKER).read_text()
-    assert "request_pool.open_worker_pool(current_omni_platform, self.device)" in worker
-    assert worker.count("request_pool.request_memory()") == 3  # execute_model, _batch, execute_stepwise
+    init_device = worker[worker.index("    def init_device(") : worker.index("create_diffusion_vllm_config(self.device")]
+    assert "self.request_pool = open_request_pool(current_omni_platform, self.device)" in init_device
+    assert init_device.index("set_device(self.device)") < init_device.index("open_request_pool")
+    assert worker.count("request_memory(self.request_pool)") == 3  # execute_model, _batch, execute_stepwise
+    sleep = worker[worker.index("    def sleep(") : worker.index("    def wake_up(")]
+    assert sleep.index("self.request_pool = None") < sleep.index("current_omni_platform.empty_cache()")
     assert worker.count("unstaged()") == 2  # around init_device, inside load_model
     assert "install_persistent_collectives" not in worker
 
