@@ -24,7 +24,7 @@ from types import ModuleType
 from vllm.logger import init_logger
 
 from .overlay import check_overlay, omni_version
-from .renamed import old_entry_point, pool_switch_before_0_13
+from .renamed import old_entry_point, old_pool_switch
 
 # Under vLLM-Omni's logger, so its handlers and level apply: a top-level name would drop the INFO line.
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
@@ -249,7 +249,7 @@ def register() -> None:
     from vllm_omni.distributed.persistent_collectives import block_cap, switch_mode
     from vllm_omni.distributed.request_pool import pool_enabled
 
-    pool_switch_before_0_13()
+    old_pool_switch()
     pool_enabled()
     switch_mode()
     block_cap()

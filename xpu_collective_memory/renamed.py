@@ -4,7 +4,8 @@
 
 0.12.0 renamed the distribution (``minimax-h3-vae-gather`` to ``vllm-omni-xpu-collective-memory``): two names reach
 a running server from the operator's own configuration, the entry points in ``VLLM_PLUGINS`` and the census
-directory variable. 0.13.0 gave the request pool its own variable: ``VLLM_OMNI_PERSISTENT_COLLECTIVES=pool``.
+directory variable. 0.12.2 gave the request pool its own variable, in place of
+``VLLM_OMNI_PERSISTENT_COLLECTIVES=pool``.
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ def census_dir_variable(env_name: str) -> tuple[str, str] | None:
     return env_name if new is not None else CENSUS_ENV_BEFORE_0_12, old
 
 
-def pool_switch_before_0_13(environ=os.environ) -> None:
-    """``VLLM_OMNI_PERSISTENT_COLLECTIVES=pool`` (before 0.13.0) read as ``VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1``
+def old_pool_switch(environ=os.environ) -> None:
+    """``VLLM_OMNI_PERSISTENT_COLLECTIVES=pool`` (before 0.12.2) read as ``VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1``
     with the collectives switch unset, in this process and the workers it starts; until 0.14.0, with a warning."""
     from vllm_omni.distributed.persistent_collectives import SWITCH_ENV
     from vllm_omni.distributed.request_pool import POOL_ENV
@@ -95,7 +96,7 @@ def pool_switch_before_0_13(environ=os.environ) -> None:
         return
     if environ.get(POOL_ENV, "1").strip() != "1":
         raise ValueError(
-            f"{SWITCH_ENV}={raw!r} (the request pool, before 0.13.0) and {POOL_ENV}={environ[POOL_ENV]!r} disagree; "
+            f"{SWITCH_ENV}={raw!r} (the request pool, before 0.12.2) and {POOL_ENV}={environ[POOL_ENV]!r} disagree; "
             f"set {POOL_ENV}=1 and unset {SWITCH_ENV}"
         )
     environ[POOL_ENV] = "1"
@@ -103,7 +104,7 @@ def pool_switch_before_0_13(environ=os.environ) -> None:
     if SWITCH_ENV not in _warned:
         _warned.add(SWITCH_ENV)
         logger.warning(
-            "[XPU_COLLECTIVE_MEMORY] %s=pool is %s=1 since 0.13.0; the old value stops working in 0.14.0: set "
+            "[XPU_COLLECTIVE_MEMORY] %s=pool is %s=1 since 0.12.2; the old value stops working in 0.14.0: set "
             "%s=1 and unset %s",
             SWITCH_ENV,
             POOL_ENV,

@@ -129,7 +129,9 @@ def test_hsdp_shards_with_the_persistent_fully_shard(whole):
 
 def test_the_worker_keeps_its_pool_from_init_device_to_sleep_and_starts_and_loads_with_plain_collectives(whole):
     worker = (whole / WORKER).read_text()
-    init_device = worker[worker.index("    def init_device(") : worker.index("create_diffusion_vllm_config(self.device")]
+    init_device = worker[
+        worker.index("    def init_device(") : worker.index("create_diffusion_vllm_config(self.device")
+    ]
     assert "self.request_pool = open_request_pool(current_omni_platform, self.device)" in init_device
     assert init_device.index("set_device(self.device)") < init_device.index("open_request_pool")
     assert worker.count("request_memory(self.request_pool)") == 3  # execute_model, _batch, execute_stepwise

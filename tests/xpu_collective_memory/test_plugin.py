@@ -209,7 +209,7 @@ def in_a_worker() -> dict[str, dict]:
         "pool": (_pool_mode_in_a_worker, True),
         "pool without MemPool": (_pool_mode_in_a_worker, False),
         "pool expandable": (_pool_mode_in_a_worker, True, EXPANDABLE),
-        "pool under its name before 0.13.0": (
+        "pool under its name before 0.12.2": (
             _pool_mode_in_a_worker,
             True,
             "",
@@ -326,7 +326,7 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
     }
 
 
-@pytest.mark.parametrize("key", ["pool", "pool under its name before 0.13.0"])
+@pytest.mark.parametrize("key", ["pool", "pool under its name before 0.12.2"])
 def test_the_request_pool_is_made_after_start_up_every_request_entry_point_runs_in_it_and_sleep_drops_it(
     in_a_worker, key
 ):

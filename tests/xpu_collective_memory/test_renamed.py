@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""The names operators set before 0.12.0 keep working for one release, with a warning that names the new one."""
+"""The names operators set in an earlier release keep working for one more, with a warning that names the new one."""
 
 from __future__ import annotations
 
@@ -90,3 +90,28 @@ def test_with_neither_census_variable_there_is_no_census(monkeypatch):
     monkeypatch.delenv(census.CENSUS_ENV, raising=False)
     monkeypatch.delenv(renamed.CENSUS_ENV_BEFORE_0_12, raising=False)
     assert census.census_dir() is None
+
+
+SWITCH, POOL = "VLLM_OMNI_PERSISTENT_COLLECTIVES", "VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL"
+
+
+@pytest.mark.parametrize("old", ["pool", " Pool "])
+def test_the_old_pool_value_of_the_switch_turns_the_request_pool_on_and_unsets_the_switch_once_warned(warnings, old):
+    environ = {SWITCH: old}
+    renamed.old_pool_switch(environ)
+    renamed.old_pool_switch(environ)  # loaded again in one process: nothing more to do, no second warning
+    assert environ == {POOL: "1"}
+    (warning,) = warnings
+    assert f"{SWITCH}=pool is {POOL}=1 since 0.12.2" in warning and "stops working in 0.14.0" in warning
+
+
+@pytest.mark.parametrize("environ", [{}, {SWITCH: "1"}, {SWITCH: "auto", POOL: "1"}])
+def test_any_other_setting_is_left_as_it_is(warnings, environ):
+    before = dict(environ)
+    renamed.old_pool_switch(environ)
+    assert environ == before and warnings == []
+
+
+def test_the_old_pool_value_with_the_pool_turned_off_is_refused_naming_both():
+    with pytest.raises(ValueError, match=rf"{SWITCH}='pool' \(the request pool, before 0.12.2\) and {POOL}='0'"):
+        renamed.old_pool_switch({SWITCH: "pool", POOL: "0"})
