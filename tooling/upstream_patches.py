@@ -82,7 +82,7 @@ SERIES = (
         ),
     ),
     Patch(
-        "pool mode: each request of a diffusion worker in one private memory pool",
+        "the request pool: each request of a diffusion worker in one private memory pool the worker keeps",
         (
             "vllm_omni/distributed/request_pool.py",
             *_under("tests/distributed", "__init__.py", "mem_pool_stand_in.py", "test_request_pool.py"),
