@@ -142,14 +142,14 @@ TEST_PLATFORM = ("cpu_test", "cpu_test_workarounds")
 TEST_PLATFORM_ENV = "VLLM_OMNI_CPU_TEST_PLATFORM"
 # Run from this checkout against the whole series: they need the project's synthetic pipelines.
 CHECKOUT_TESTS = ("tests/e2e/test_minimax_h3_serve_cpu.py", "tests/e2e/test_wan2_2_serve_cpu.py")
-# The tree has no pytest configuration of its own; upstream's registers these markers.
+# The tree has no pytest configuration of its own: upstream's markers (its pyproject.toml) that the tests use.
 PYTEST_INI = """[pytest]
 addopts = --strict-markers -q -p no:cacheprovider
 markers =
-    core_model: core functionality tests
-    cpu: runs on CPU only
-    diffusion: diffusion model tests
-    distributed: starts several torch.distributed ranks
+    core_model: L1&L2 tests (run in each PR)
+    diffusion: Diffusion model tests
+    parallel: Parallelism/distributed tests
+    cpu: Tests that run on CPU
 """
 _IDENTITY = {
     "GIT_AUTHOR_NAME": "vLLM-Omni contributors",

@@ -102,7 +102,7 @@ def hook_worker(module: ModuleType) -> bool:
 
     ``init_device`` first hooks the request path, where no request pool is asked for, and ends by making the
     worker's pool where one is (``request_pool``: after the device is set, before the model loads); each request
-    entry point runs in the worker's pool; ``sleep()`` drops the pool before its ``empty_cache()`` and
+    entry point runs in the worker's pool; ``sleep()`` releases the pool before its ``empty_cache()`` and
     ``wake_up()`` makes a new one.
     """
     worker = getattr(module, "DiffusionWorker", None)
@@ -126,7 +126,9 @@ def hook_worker(module: ModuleType) -> bool:
             hook_request_path()  # before the process groups exist, so that every coordinator is registered
         result = plain_init(self, *args, **kwargs)
         if pooled:
-            self.request_pool = _open_pool(open_request_pool, self)
+            from vllm_omni.platforms import current_omni_platform
+
+            self.request_pool = open_request_pool(current_omni_platform, self.device)
             logger.info("[XPU_COLLECTIVE_MEMORY] request memory pool: collectives are torch's own (vllm-omni %s)",
                         omni_version())  # fmt: skip
         return result
@@ -140,44 +142,39 @@ def hook_worker(module: ModuleType) -> bool:
         if callable(entry := getattr(worker, name, None)):
             setattr(worker, name, _in_request_memory(entry))
     if callable(sleep := getattr(worker, "sleep", None)):
-        worker.sleep = _dropping_the_pool(sleep)
+        worker.sleep = _releasing_the_pool(sleep)
     if callable(wake_up := getattr(worker, "wake_up", None)):
-        worker.wake_up = _remaking_the_pool(wake_up, open_request_pool)
+        worker.wake_up = _renewing_the_pool(wake_up)
     return True
 
 
-def _open_pool(open_request_pool, worker):
-    from vllm_omni.platforms import current_omni_platform
-
-    return open_request_pool(current_omni_platform, worker.device)
-
-
 def _in_request_memory(entry):
-    from vllm_omni.distributed.request_pool import request_memory
+    from vllm_omni.distributed.request_pool import use_request_pool
 
     @functools.wraps(entry)
     def run_in_request_memory(self, *args, **kwargs):
-        with request_memory(getattr(self, "request_pool", None)):
+        with use_request_pool(getattr(self, "request_pool", None)):
             return entry(self, *args, **kwargs)
 
     return run_in_request_memory
 
 
-def _dropping_the_pool(sleep):
+def _releasing_the_pool(sleep):
     @functools.wraps(sleep)
     def sleep_without_the_pool(self, *args, **kwargs):
-        self.request_pool = None  # its free segments are released with the cache that sleep() empties
+        if (pool := getattr(self, "request_pool", None)) is not None:
+            pool.release()  # its free segments are released with the cache that sleep() empties
         return sleep(self, *args, **kwargs)
 
     return sleep_without_the_pool
 
 
-def _remaking_the_pool(wake_up, open_request_pool):
+def _renewing_the_pool(wake_up):
     @functools.wraps(wake_up)
     def wake_up_with_a_pool(self, *args, **kwargs):
         woke = wake_up(self, *args, **kwargs)
-        if getattr(self, "request_pool", None) is None:
-            self.request_pool = _open_pool(open_request_pool, self)
+        if (pool := getattr(self, "request_pool", None)) is not None:
+            pool.renew()
         return woke
 
     return wake_up_with_a_pool

@@ -11,7 +11,7 @@ import pytest
 from benchmarks import minimax_h3_vae_gather as bench
 from tests.utils import run_ranks
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from benchmarks import persistent_collectives_overhead as bench
 from tests.utils import run_ranks
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
 
 
 @pytest.fixture(scope="module")

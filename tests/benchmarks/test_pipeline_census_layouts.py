@@ -21,7 +21,7 @@ pytestmark = [
     pytest.mark.advanced_model,
     pytest.mark.cpu,
     pytest.mark.diffusion,
-    pytest.mark.distributed,
+    pytest.mark.parallel,
 ]
 
 REQUESTS = 2  # request 1 holds the warm-up and the first allocations; request 2 is the steady state

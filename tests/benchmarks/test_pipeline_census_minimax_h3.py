@@ -24,7 +24,7 @@ pytestmark = [
     pytest.mark.advanced_model,
     pytest.mark.cpu,
     pytest.mark.diffusion,
-    pytest.mark.distributed,
+    pytest.mark.parallel,
     pytest.mark.integration,
     pytest.mark.skipif(version("vllm-omni") != upstream_patches.RELEASE, reason="served on 0.30.0 (.venv-omni-0.30)"),
 ]

@@ -68,7 +68,7 @@ def checks(rank: int, world: int) -> dict:
 
     def run(in_request: bool) -> dict:
         recorder = BackendRecorder()
-        with recorder, request_pool.request_memory(pool if in_request else None):
+        with recorder, request_pool.use_request_pool(pool if in_request else None):
             results = kinds(managed_distributed, rank, world, mine)
         collectives = pc.platform_collectives()
         return {

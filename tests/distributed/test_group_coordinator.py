@@ -9,7 +9,7 @@ import pytest
 from tests.distributed import coordinator_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from tests.distributed import collective_ranks, contract_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
 
 WORLD = 4
 KINDS = tuple(collective_ranks.kinds(0, WORLD, collective_ranks.DTYPES[0], 0))

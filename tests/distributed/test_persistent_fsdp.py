@@ -10,7 +10,7 @@ import pytest
 from tests.distributed import fsdp_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
 
 
 @pytest.fixture(scope="module", params=[3, 4], ids=lambda world: f"{world}ranks")
@@ -33,7 +33,10 @@ def test_staged_from_the_second_request_on_the_gathers_hand_the_backend_no_new_b
     for report in reports:
         staged, plain = report["1"]["requests"], report["0"]["requests"]
         assert [r["fresh"] for r in staged[1:]] == [0, 0] and all(r["unmanaged"] == 0 for r in staged), staged
-        assert all(r["fresh"] > 0 and r["unmanaged"] > 0 for r in plain), plain  # what the fix removes
+        # What the fix removes: plain hands the backend memory of its own every request. Whether a later request's
+        # lands at a new address is the CPU allocator's choice (it may hand a freed one back), so only the first's
+        # fresh count is asserted.
+        assert plain[0]["fresh"] > 0 and all(r["unmanaged"] > 0 for r in plain), plain
 
 
 def test_no_output_handed_back_lives_in_a_block(reports):

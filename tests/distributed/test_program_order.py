@@ -12,7 +12,7 @@ import pytest
 from tests.distributed import order_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
 
 
 @pytest.fixture(scope="module", params=[3, 4], ids=lambda world: f"{world}ranks")

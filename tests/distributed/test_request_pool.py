@@ -17,7 +17,7 @@ import torch
 from tests.distributed import mem_pool_stand_in as mem_pool
 from vllm_omni.distributed import request_pool
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion]
 
 CPU = torch.device("cpu")
 
@@ -97,7 +97,7 @@ def test_no_pool_is_made_unless_the_switch_is_on_and_requests_then_run_in_the_de
     monkeypatch.delenv(request_pool.POOL_ENV, raising=False)
     made = mem_pool.MemPool.made
     assert request_pool.open_request_pool(_platform([]), CPU) is None and mem_pool.MemPool.made == made
-    with request_pool.request_memory(None):
+    with request_pool.use_request_pool(None):
         pass
 
 
@@ -165,32 +165,49 @@ def test_sleep_releases_the_workers_pool_before_it_empties_the_cache_and_wake_up
     pool = weakref.ref(worker.request_pool._pool)
     worker.platform.empty_cache = lambda: worker.events.append(("empty_cache", pool() is None))
     worker.sleep(level=1)
-    # Dropped before empty_cache(): the allocator then frees the free segments of a pool no longer alive.
-    assert worker.request_pool is None and worker.events == [("empty_cache", True)]
+    # Gone before empty_cache(): the allocator then frees the free segments of a pool no longer alive.
+    assert worker.events == [("empty_cache", True)]
     made = mem_pool.MemPool.made
     worker.wake_up()
-    assert worker.request_pool is not None and mem_pool.MemPool.made == made + 1
-    assert worker.request_pool.device == CPU
+    assert mem_pool.MemPool.made == made + 1 and worker.request_pool._pool is not None
+    with worker.request_pool.request():
+        assert worker.request_pool._pool.devices == [CPU]
 
 
 def test_wake_up_without_a_sleep_keeps_the_pool_it_has(worker):
-    pool = worker.request_pool
+    pool = worker.request_pool._pool
     worker.wake_up()
-    assert worker.request_pool is pool
+    assert worker.request_pool._pool is pool
+
+
+def test_shutdown_releases_the_pool_before_the_process_group_goes(worker, monkeypatch):
+    from vllm_omni.diffusion.worker import diffusion_worker
+
+    pool = weakref.ref(worker.request_pool._pool)
+    seen = []
+    monkeypatch.setattr(diffusion_worker, "destroy_distributed_env", lambda: seen.append(pool() is None))
+    worker.shutdown()
+    assert seen == [True]
 
 
 def test_each_request_entry_point_runs_in_the_workers_pool_once(worker):
     seen = []
 
     class Runner:
+        def execute_model(self, req, **kwargs):
+            seen.append(("execute_model", worker.request_pool.active))
+            return "output"
+
         def execute_model_batch(self, scheduler_output, od_config):
-            seen.append(worker.request_pool.active)
+            seen.append(("execute_model_batch", worker.request_pool.active))
 
         def execute_stepwise(self, scheduler_output):
-            seen.append(worker.request_pool.active)
+            seen.append(("execute_stepwise", worker.request_pool.active))
 
     worker.model_runner, worker.lora_manager = Runner(), None
     worker._activate_step_lora = lambda scheduler_output: None
+    worker.execute_model(types.SimpleNamespace(), worker.od_config)
     worker.execute_model_batch(types.SimpleNamespace(scheduled_new_reqs=[]), worker.od_config)
     worker.execute_stepwise(types.SimpleNamespace())
-    assert seen == [True, True] and worker.request_pool.requests == 2 and not worker.request_pool.active
+    assert seen == [("execute_model", True), ("execute_model_batch", True), ("execute_stepwise", True)]
+    assert worker.request_pool.requests == 3 and not worker.request_pool.active

@@ -13,7 +13,7 @@ import pytest
 from tests.distributed import sequence_parallel_ranks
 from tests.distributed.ranks import results_or_raise, run_ranks
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
 
 CASES = [f"{pattern}/{backend}" for pattern in ("ulysses", "ring") for backend in ("aot_eager", "inductor")]
 

@@ -23,7 +23,7 @@ pytestmark = [
     pytest.mark.advanced_model,
     pytest.mark.cpu,
     pytest.mark.diffusion,
-    pytest.mark.distributed,
+    pytest.mark.parallel,
     pytest.mark.integration,
     # Each release serves this pipeline with the plugin once: 0.28.0 here, 0.30.0 in the census's five runs
     # (tests/benchmarks/test_pipeline_census_minimax_h3.py); the patched 0.30.0 tree serves it here, plugin off.

@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.advanced_model,
     pytest.mark.cpu,
     pytest.mark.diffusion,
-    pytest.mark.distributed,
+    pytest.mark.parallel,
     pytest.mark.integration,
     pytest.mark.skipif(
         upstream_patches.TREE_ENV not in os.environ,

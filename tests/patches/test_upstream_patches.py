@@ -134,7 +134,7 @@ def test_the_worker_keeps_its_pool_from_init_device_to_sleep_and_starts_and_load
     ]
     assert "self.request_pool = open_request_pool(current_omni_platform, self.device)" in init_device
     assert init_device.index("set_device(self.device)") < init_device.index("open_request_pool")
-    assert worker.count("request_memory(self.request_pool)") == 3  # execute_model, _batch, execute_stepwise
+    assert worker.count("use_request_pool(self.request_pool)") == 3  # execute_model, _batch, execute_stepwise
     sleep = worker[worker.index("    def sleep(") : worker.index("    def wake_up(")]
     assert sleep.index("self.request_pool = None") < sleep.index("current_omni_platform.empty_cache()")
     assert worker.count("unstaged()") == 2  # around init_device, inside load_model

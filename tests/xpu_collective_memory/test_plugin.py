@@ -291,7 +291,7 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
     worker.execute_model_batch = lambda self, *args: record(self, "execute_model_batch")
     worker.execute_stepwise = lambda self, *args: record(self, "execute_stepwise")
     worker.sleep = lambda self, level=1: seen.append(
-        ("sleep: pool dropped before its empty_cache", self.request_pool is None)
+        ("sleep: pool released before its empty_cache", self.request_pool._pool is None)
     )
     worker.wake_up = lambda self, tags=None: True
     if not platform_has_pool:
@@ -310,15 +310,15 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
     with contextlib.suppress(RuntimeError):
         worker.execute_model(this, None, fail=True)
     worker.execute_model_batch(this, None, None)
-    pool = this.request_pool
+    pool, mem_pool = this.request_pool, this.request_pool._pool
     worker.sleep(this)
     made_before_wake_up = MemPool.made
     worker.wake_up(this)
     return {
         "seen": seen,
-        "entries": pool._pool.entries,
+        "entries": mem_pool.entries,
         "pools_made": made_before_wake_up,
-        "pool_after_wake_up": MemPool.made == made_before_wake_up + 1 and this.request_pool is not pool,
+        "pool_after_wake_up": MemPool.made == made_before_wake_up + 1 and this.request_pool._pool is not mem_pool,
         "active_after": pool.active,
         "routed": plugin._request_path_hook is not None or GroupCoordinator.all_reduce is pc.coordinator_all_reduce,
         "collectives": type(pc.platform_collectives()).__name__ + str(pc.platform_collectives().staged),
@@ -339,7 +339,7 @@ def test_the_request_pool_is_made_after_start_up_every_request_entry_point_runs_
             ("execute_stepwise", True),
             ("execute_model", True),  # the one that raises: the pool is closed behind it
             ("execute_model_batch", True),
-            ("sleep: pool dropped before its empty_cache", True),
+            ("sleep: pool released before its empty_cache", True),
         ],
         "entries": 3,  # the nested entry point does not enter again
         "pools_made": 1,

@@ -62,12 +62,22 @@ def refuse_expandable_segments(device_type: str, environ: Any = os.environ) -> N
 
 
 class RequestPool:
-    """The worker's pool on its device, entered around each request."""
+    """The worker's pool on its device, entered around each request; released while the worker sleeps."""
 
     def __init__(self, api: Any, device: torch.device) -> None:
         self._api, self.device, self._pool = api, device, api.MemPool()
         self._depth = 0
         self.requests = 0
+
+    def release(self) -> None:
+        """Drop the pool: a pool no longer alive is freeable, so the next ``empty_cache()`` frees its free segments
+        (what a request made and still holds stays until it is freed)."""
+        self._pool = None
+
+    def renew(self) -> None:
+        """A new pool after ``release()``, for the requests after a sleep."""
+        if self._pool is None:
+            self._pool = self._api.MemPool()
 
     @property
     def active(self) -> bool:
@@ -106,6 +116,6 @@ def open_request_pool(platform: Any, device: torch.device | str) -> RequestPool 
     return pool
 
 
-def request_memory(pool: RequestPool | None) -> contextlib.AbstractContextManager:
+def use_request_pool(pool: RequestPool | None) -> contextlib.AbstractContextManager:
     """Around a request's forward: its allocations in ``pool``, where the worker has one."""
     return pool.request() if pool is not None else contextlib.nullcontext()

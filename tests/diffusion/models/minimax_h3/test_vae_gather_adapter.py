@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.core_model,
     pytest.mark.cpu,
     pytest.mark.diffusion,
-    pytest.mark.distributed,
+    pytest.mark.parallel,
     pytest.mark.integration,
 ]
 

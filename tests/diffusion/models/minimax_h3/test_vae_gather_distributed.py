@@ -12,7 +12,7 @@ import torch
 
 from tests.utils import results_or_raise, run_ranks
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
 
 WORLD = 4
 NUM_TILES = (4, 5, 8, 9, 28)

@@ -17,7 +17,7 @@ from tests.utils import results_or_raise, run_ranks
 
 from .bad_input_cases import CASES, WORLD
 
-pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.distributed]
+pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
 
 PG_TIMEOUT_S = 30
 

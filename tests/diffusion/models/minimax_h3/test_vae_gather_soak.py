@@ -18,7 +18,7 @@ pytestmark = [
     pytest.mark.advanced_model,
     pytest.mark.cpu,
     pytest.mark.diffusion,
-    pytest.mark.distributed,
+    pytest.mark.parallel,
     pytest.mark.slow,
 ]
 
