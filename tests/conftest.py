@@ -17,9 +17,24 @@ def pytest_addoption(parser):
     )
 
 
+# Patch 1's tests of what it edits in release files (the adapter's own __init__, the diffusion envs): on a release
+# the plugin installs the gather (tests/diffusion/models/minimax_h3/test_vae_gather_adapter.py, on gloo ranks).
+_PATCHED_TREE_ONLY = (
+    "test_vae_gather.py::test_the_adapters_own_init_installs_the_gather_as_the_switch_says",
+    "test_vae_gather.py::test_the_diffusion_envs_read_the_switch_as_the_gather_does",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     import pytest
 
+    if adapter_tests := [item for item in items if any(test in item.nodeid for test in _PATCHED_TREE_ONLY)]:
+        from vllm_omni.diffusion.models.minimax_h3 import vae
+
+        if not hasattr(vae, "install_tile_gather_reuse"):
+            skip = pytest.mark.skip(reason="a release: the plugin installs the gather, not the adapter's __init__")
+            for item in adapter_tests:
+                item.add_marker(skip)
     if config.getoption("--full-census"):
         return
     skip = pytest.mark.skip(reason="a census layout beyond CI's: run with --full-census")

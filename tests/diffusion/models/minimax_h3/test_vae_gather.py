@@ -176,29 +176,37 @@ def test_env_mode_decides_where_the_override_is_installed(monkeypatch, device_st
         assert "_all_gather_tiled_results" not in vars(adapter.model)
 
 
-def _adapter_built_by_its_own_init(monkeypatch, checkpoint):
+def _adapter_built_by_its_own_init(monkeypatch, checkpoint, device):
     """``MiniMaxH3VideoVAE.__init__`` as it runs, with the component's loading stubbed out (no checkpoint here)."""
     from vllm_omni.diffusion.models.minimax_h3 import vae as vae_module
 
-    if not hasattr(vae_module, "install_tile_gather_reuse"):
-        pytest.skip("this vLLM-Omni's adapter does not install the gather itself (a release: the plugin does)")
     remote = torch.nn.Module()
     remote.model = checkpoint
     config = {"latent_channels": 1, "latents_mean": [0.0], "latents_std": [1.0]}
     monkeypatch.setattr(vae_module, "_load_component_config", lambda path: config)
     monkeypatch.setattr(vae_module, "_load_remote_component", lambda path, config, **kwargs: remote)
     monkeypatch.setattr(torch, "get_device_module", lambda *args, **kwargs: None)  # CPU torch: no device module
-    return vae_module.MiniMaxH3VideoVAE("unused", device=torch.device("cpu"))
+    return vae_module.MiniMaxH3VideoVAE("unused", device=torch.device(device))
 
 
-@pytest.mark.parametrize("env,installed", [("1", True), ("auto", False), ("0", False)])
-def test_the_adapters_own_init_installs_the_gather_as_the_switch_says(monkeypatch, env, installed):
+@pytest.mark.parametrize(
+    "env,device,installed", [("1", "cpu", True), ("auto", "cpu", False), ("auto", "meta", False), ("0", "cpu", False)]
+)
+def test_the_adapters_own_init_installs_the_gather_as_the_switch_says(monkeypatch, env, device, installed):
     monkeypatch.setenv(REUSE_ENV, env)
     checkpoint = StandInCheckpoint()
-    adapter = _adapter_built_by_its_own_init(monkeypatch, checkpoint)
+    adapter = _adapter_built_by_its_own_init(monkeypatch, checkpoint, device)
     assert adapter.model is checkpoint and (get_tile_gather(adapter) is not None) is installed
     if not installed:  # off XPU, the checkpoint's own method, untouched
         assert "_all_gather_tiled_results" not in vars(checkpoint)
+
+
+@pytest.mark.parametrize("value", [None, "auto", " 1 ", "0"])
+def test_the_diffusion_envs_read_the_switch_as_the_gather_does(monkeypatch, value):
+    from vllm_omni.diffusion import envs
+
+    monkeypatch.delenv(REUSE_ENV, raising=False) if value is None else monkeypatch.setenv(REUSE_ENV, value)
+    assert envs.VLLM_OMNI_H3_VAE_GATHER_REUSE == vae_gather.reuse_mode() == ("auto" if value is None else value.strip())
 
 
 @pytest.mark.parametrize("value", ["", "yes", "true", "2", "on", "xpu"])

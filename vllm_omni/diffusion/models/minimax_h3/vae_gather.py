@@ -188,17 +188,25 @@ class TileGatherReuse:
         self._headers = headers.block.view(torch.int64)
         self._hits = 0
         self._geometries: Counter[str] = Counter()
+        self._group: Any = None  # the last gather's group
 
     @torch.no_grad()  # a tile that requires grad must not fail one rank alone
     def __call__(self, tasks: list[torch.Tensor], num_tiles: int) -> list[torch.Tensor]:
-        state = self._parallel_state()
-        group = state.get("sp_process_group") if isinstance(state, Mapping) else None
-        # The exchange runs over the group as it is, so that a rank whose state is wrong still tells its peers.
+        # The exchange runs over the group as it is, so that a rank whose state is wrong still tells its peers; one
+        # that cannot read its state at all tells them over the group of its last gather.
+        state, group, error = None, self._group, None
+        try:
+            state = self._parallel_state()
+            group = state.get("sp_process_group") if isinstance(state, Mapping) else None
+        except Exception as exc:
+            error = exc
         size, rank = (group.size(), group.rank()) if group is not None else (1, 0)
         if size > MAX_RANKS:  # the same on every rank of the group
             raise ValueError(f"MiniMax-H3 tile gather over {size} ranks; at most {MAX_RANKS} are supported")
-        mine, grew, error = _Header(-1, -1, _LOCAL_ERROR), False, None
+        mine, grew = _Header(-1, -1, _LOCAL_ERROR), False
         try:
+            if error is not None:
+                raise error
             _check_parallel(state, size, rank)
             mine = _describe(tasks, num_tiles)
             if mine.dtype >= 0 and mine.num_tiles >= size and mine.count == len(range(rank, num_tiles, size)):
@@ -216,6 +224,7 @@ class TileGatherReuse:
             raise agreed from error
 
         # Past _agree every rank, this one included, has filled its slot.
+        self._group = group
         dtype, shape = _DTYPES[mine.dtype], mine.shape
         slots = self._slots(size, num_tiles, shape, dtype)
         all_gather_in_place(slots.view(-1), rank, group)
