@@ -47,7 +47,7 @@ def whole(tmp_path_factory):
 
 def test_the_series_is_five_patches_gather_pool_staging_kinds_rule_in_review_order():
     subjects = [re.search(r"^Subject: \[PATCH[^\]]*\] (.*)$", p.read_text(), re.M).group(1) for p in PATCHES]
-    expected = ("[MiniMax-H3] Keep the VAE tile gather", "[XPU] Pool mode", "[XPU] Staged collectives at the coord",
+    expected = ("[MiniMax-H3] Keep the VAE tile gather", "[XPU] Each diffusion request in one", "[XPU] Staged collect",
                 "[XPU] Every collective kind", "[XPU] Every diffusion module")  # fmt: skip
     assert all(e in s for e, s in zip(expected, subjects, strict=True)), subjects
 
@@ -136,7 +136,7 @@ def test_the_worker_keeps_its_pool_from_init_device_to_sleep_and_starts_and_load
     assert init_device.index("set_device(self.device)") < init_device.index("open_request_pool")
     assert worker.count("use_request_pool(self.request_pool)") == 3  # execute_model, _batch, execute_stepwise
     sleep = worker[worker.index("    def sleep(") : worker.index("    def wake_up(")]
-    assert sleep.index("self.request_pool = None") < sleep.index("current_omni_platform.empty_cache()")
+    assert sleep.index("self.request_pool.release()") < sleep.index("current_omni_platform.empty_cache()")
     assert worker.count("unstaged()") == 2  # around init_device, inside load_model
     assert "install_persistent_collectives" not in worker
 
