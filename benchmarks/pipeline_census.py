@@ -74,8 +74,8 @@ RUNS = {
     "pool": {REUSE_ENV: "1", SWITCH_ENV: "0", POOL_ENV: "1"},
     "release": {REUSE_ENV: "0", SWITCH_ENV: "0", POOL_ENV: "0"},  # this project's fix not loaded (the census is)
 }
-# Pool mode routes no collective, so the DiT compiles as released: its oracle (media, graph breaks) is the release,
-# served beside it wherever the DiT's compiled graph is not the same with the collectives routed.
+# The request pool routes no collective, so the DiT compiles as released: its oracle (media, graph breaks) is the
+# release, served beside it wherever the DiT's compiled graph is not the same with the collectives routed.
 PIPELINE_RUNS = {
     "minimax_h3": ("whole", "vae", "pool", "release", "off"),
     "wan2_2": ("whole", "pool", "off", "release"),
@@ -403,12 +403,12 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def format_pool(summary: dict[str, Any]) -> list[str]:
-    """Pool mode, per rank: whether each request's forward ran in the worker's pool, and device-group calls made
+    """The request pool, per rank: whether each request's forward ran in the worker's pool, and device-group calls made
     while no request ran in it (by component)."""
     run = summary["runs"].get("pool")
     if run is None:
         return []
-    text = ["", "pool mode, per rank: request forwards run in the pool; device-group calls made outside it"]
+    text = ["", "the request pool, per rank: request forwards run in the pool; device-group calls made outside it"]
     for rank in run["ranks"]:
         inside = [bool(p and p["in_pool"]) for p in rank["pool"]]
         outside = [sum(request["outside_pool_context"].values()) for request in rank["requests"]]
@@ -459,14 +459,14 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
     if len(lines) == 1:
         return []
     title = "persistent collectives, per rank and request (resident: as it stands after the request; staged: calls"
-    title += " copied through blocks, none in pool mode; payload: the callers' tensors staged; copied: into and out"
+    title += " copied through blocks, none with the pool; payload: the callers' tensors staged; copied: into and out"
     title += " of blocks)"
     return [title] + (report.align(lines))
 
 
 def media_groups(runs: dict[str, Any]) -> list[list[str]]:
     """The runs whose media must be identical: those whose collectives are routed (off, the VAE's only, whole),
-    and pool mode with the release where the release is served (pool routes nothing, so its DiT compiles as the
+    and the request pool with the release where the release is served (pool routes nothing, so its DiT compiles as the
     release's), else with the routed runs."""
     routed = [name for name in ("off", "vae", "whole") if name in runs]
     unrouted = [name for name in ("pool", "release") if name in runs]

@@ -210,7 +210,7 @@ def _counting(forward: Callable, ledger: CollectiveLedger, device, directory: Pa
         if set(getattr(batch, "request_ids", ())) == {DUMMY_DIFFUSION_REQUEST_ID}:  # the warm-up: not a request
             return forward(self, batch, *args, **kwargs)
         wall, cpu = time.perf_counter(), time.process_time()
-        pool = worker_pool()  # pool mode: the whole forward, every component, runs in it
+        pool = worker_pool()  # the request pool: the whole forward, every component, runs in it
         books["pool"].append(None if pool is None else {"in_pool": pool.active, "requests_entered": pool.requests})
         try:
             return forward(self, batch, *args, **kwargs)

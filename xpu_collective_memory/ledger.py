@@ -155,10 +155,10 @@ class RequestReport:
     bookkeeping_errors: int = 0  # calls the ledger could not book, since it started
     unmanaged_sites: dict[str, int] = field(default_factory=dict)  # site -> calls on a device group, no blocks
     staged_bytes: dict[str, int] = field(default_factory=dict)  # component -> bytes copied into and out of blocks
-    # Pool mode: component -> device-group calls made while no request ran in the worker's pool
+    # The request pool: component -> device-group calls made while no request ran in the worker's pool
     outside_pool_context: dict[str, int] = field(default_factory=dict)
-    # Pool mode, in a request: site -> calls handed memory outside the pool, at addresses the first request's calls
-    # already handed over (stable) or not (fresh: the growth the pool cannot stop)
+    # With the request pool, in a request: site -> calls handed memory outside the pool, at addresses the first
+    # request's calls already handed over (stable) or not (fresh: the growth the pool cannot stop)
     outside_pool_stable: dict[str, int] = field(default_factory=dict)
     outside_pool_fresh: dict[str, int] = field(default_factory=dict)
 
@@ -286,7 +286,7 @@ def is_persistent(tensor: torch.Tensor) -> bool:
 
 
 def worker_pool() -> request_pool.RequestPool | None:
-    """This process's request pool, where the worker runs in pool mode."""
+    """This process's request pool, where the worker has one."""
     return _pool[0]() if _pool else None
 
 
@@ -454,7 +454,7 @@ class CollectiveLedger:
 
     def _pool_membership(self, site: str, tensors: list[torch.Tensor]) -> list[bool] | None:
         """In a request running in the worker's pool, whether the pool holds each tensor; books the call where it
-        hands over memory outside the pool, as stable or fresh. None outside pool mode's requests."""
+        hands over memory outside the pool, as stable or fresh. None outside the request pool's requests."""
         pool = worker_pool()
         if pool is None or not pool.active:
             return None

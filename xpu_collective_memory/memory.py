@@ -43,7 +43,7 @@ def process_rss_bytes() -> int:
 
 def memory_record(device: torch.device, module: Any = None, pool: Any = None) -> dict[str, Any]:
     """One census sample: on a device, used minus reserved beside reserved and allocated, the allocator's peak
-    reserved and its retries after a failed allocation, and in pool mode the pool's segments; on CPU, the RSS."""
+    reserved and its retries after a failed allocation, and in the request pool the pool's segments; on CPU, the RSS."""
     sample = sample_memory(device, module)
     if sample is None:
         return {"device": "cpu", "rss_bytes": process_rss_bytes(), "label": CPU_LABEL}

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """The collective census end to end: five ``vllm-omni serve`` runs on four CPU ranks: off, VAE only, whole request
-staged, whole request in pool mode (the CPU test platform's stand-in for the pool API: when, not where), and the
-release without this project's fix (pool mode routes nothing: the release is its oracle).
+staged, whole request in the request pool (the CPU test platform's stand-in for the pool API: when, not where), and the
+release without this project's fix (the request pool routes nothing: the release is its oracle).
 
 Served on vLLM-Omni 0.30.0, the release the patches target and ``requirements/xpu.txt`` installs: its request path is
 0.28.0's plus the pipeline's object collectives on the world's device group. 0.28.0's is the reach check's and the
@@ -103,7 +103,7 @@ RUNS = ["off", "vae", "whole", "pool", "release"]
 def test_exits_zero_with_media_identical_routed_and_in_the_pool_as_released_and_writes_json_and_plot(census):
     code, out, summary = census
     assert code == 0 and summary["media_identical"] and list(summary["runs"]) == RUNS
-    # Pool mode routes nothing: its DiT compiles as the release's, and its media are the release's.
+    # The request pool routes nothing: its DiT compiles as the release's, and its media are the release's.
     assert summary["media_groups"] == [["off", "vae", "whole"], ["pool", "release"]]
     for group in summary["media_groups"]:
         digests = {tuple(summary["runs"][fix]["media_sha256"]) for fix in group}

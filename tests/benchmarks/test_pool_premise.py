@@ -28,7 +28,7 @@ class _Block:
 class StandInAllocator:
     """A caching allocator reduced to what the check observes: one segment per allocation, freed blocks cached in
     the pool they were made in, ``empty_cache()`` releasing the default pool's free segments (only while no pool
-    context is active) and, where ``releases_pools``, a pool's too: the behaviour pool mode must not meet."""
+    context is active) and, where ``releases_pools``, a pool's too: the behaviour the request pool must not meet."""
 
     def __init__(self, capacity_mib: int = 4096, releases_pools: bool = False) -> None:
         self.device = torch.device("cpu")

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """Rank side of the pool-mode tests: every kind through the coordinator's collectives and ``managed_distributed`` in
-pool mode, inside and outside a request, where rank 0 hands over tensors the request made and the other ranks
+the request pool, inside and outside a request, where rank 0 hands over tensors the request made and the other ranks
 tensors made before it, beside the plain collectives. Calls larger than a 1 MiB block cap: a rank that staged or
 chunked on its own would run other wire collectives than its peers. The pool is a stand-in for ``torch.xpu.MemPool``
 (``mem_pool_stand_in``; no XPU here): what is proven is what reaches the backend, not where memory lands."""

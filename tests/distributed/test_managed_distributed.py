@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """Every collective ``managed_distributed`` stages, as a request-path module calls it, on four gloo ranks: eager and
 compiled whole-graph (Inductor and ``aot_eager``, dynamic shapes), with ``torch.distributed`` as the oracle; and in
-pool mode, torch's own on every rank (the pool a stand-in for ``torch.xpu``'s)."""
+the request pool, torch's own on every rank (the pool a stand-in for ``torch.xpu``'s)."""
 
 from __future__ import annotations
 

@@ -545,7 +545,7 @@ _choices: dict[tuple[str | None, str | None, str], Collectives] = {}
 
 
 def collectives_for(device_type: str) -> Collectives:
-    """The process's collectives for a platform of ``device_type``, as the switch says (pool mode: torch's own)."""
+    """The process's collectives for a platform of ``device_type``, as the switches say (the pool: torch's own)."""
     key = (os.environ.get(SWITCH_ENV), os.environ.get(POOL_ENV), device_type)
     choice = _choices.get(key)
     if choice is None:

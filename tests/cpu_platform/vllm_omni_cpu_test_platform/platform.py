@@ -43,7 +43,7 @@ class CpuTestOmniPlatform(OmniPlatform, CpuPlatform):
 
     @classmethod
     def mem_pool_api(cls):
-        """``MemPool`` and ``use_mem_pool`` for pool mode: a stand-in, as CPU has no caching allocator."""
+        """``MemPool`` and ``use_mem_pool`` for the request pool: a stand-in, as CPU has no caching allocator."""
         from . import mem_pool
 
         return mem_pool
