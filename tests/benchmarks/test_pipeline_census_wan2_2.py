@@ -1,13 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""The census of the synthetic Wan2.2 text-to-video checkpoint (two experts), served on four CPU ranks with the
-fix off, with the whole-request fix staged, in the request pool, and as released (the pool's oracle: it routes
-nothing, so the DiT compiles as released), DiT compiled, in each layout vLLM-Omni offers for it. CI runs the VAE's
-spatially sharded decode over Ulysses 4 on vLLM-Omni 0.28.0 (the all-to-alls run inside the compiled blocks, the VAE exchanges
-halos); Ulysses with tile-parallel VAE, Ring, TP and CFG parallel run with ``--full-census`` (Ring's compiled
-exchange is also ``tests/distributed/test_sequence_parallel.py``'s). Pipeline parallelism is
-``test_pipeline_census_layouts.py``'s. On 0.30.0 CI serves Wan2.2 end to end (``tests/e2e/test_wan2_2_serve_cpu.py``),
-with the plugin and in the patched tree."""
+"""The census of the synthetic Wan2.2 text-to-video checkpoint (two experts), served on four CPU ranks with the fix off,
+with the whole-request fix staged, in the request pool, and as released (the pool's oracle: it routes nothing, so the
+DiT compiles as released), DiT compiled, in each layout vLLM-Omni offers for it. CI runs the VAE's spatially sharded
+decode over Ulysses 4 on vLLM-Omni 0.28.0 (the all-to-alls run inside the compiled blocks, the VAE exchanges halos);
+Ulysses with tile-parallel VAE, Ring, TP and CFG parallel run with ``--full-census`` (Ring's compiled exchange is
+also ``tests/distributed/test_sequence_parallel.py``'s). Pipeline parallelism is
+``test_pipeline_census_layouts.py``'s. On 0.30.0 CI serves Wan2.2 end to end
+(``tests/e2e/test_wan2_2_serve_cpu.py``), with the plugin and in the patched tree."""
 
 from __future__ import annotations
 
