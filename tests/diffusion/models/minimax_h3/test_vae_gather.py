@@ -22,7 +22,6 @@ from vllm_omni.distributed import collective_workspaces
 
 from .fake_collective import ThreadWorld
 from .stand_ins import (
-    TILE_SHAPE,
     StandInAdapter,
     StandInCheckpoint,
     assert_tiles_equal,
@@ -358,31 +357,3 @@ def test_each_gather_logs_one_debug_line_with_its_quantities(fake_collective, ga
     assert all(line.endswith("hits=1 allocs=2") for line in lines[4:])
     workspaces = {f"workspace_ptr=0x{get_tile_gather(a).workspace.data_ptr:x}" for a in adapters}
     assert {next(w for w in workspaces if w in line) for line in lines[4:]} == workspaces
-
-
-def test_reserve_sizes_the_workspace_ahead_and_the_first_gather_is_a_hit(fake_collective):
-    world = ThreadWorld(4)
-    adapters = ranks_with_gather(world)
-    for adapter in adapters:
-        assert get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28) == 4 * 7 * 384
-        assert get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28) == 4 * 7 * 384  # again: no new block
-    gather_on_every_rank(world, adapters, 9)
-    gather_on_every_rank(world, adapters, 28)
-    assert get_tile_gather(adapters[2]).stats() | {"geometries": None, "workspace_ptr": None} == {
-        "hits": 2,
-        "allocs": 1,
-        "workspace_bytes": 4 * 7 * 384,
-        "workspace_ptr": None,
-        "geometries": None,
-    }
-    get_tile_gather(adapters[2]).release()
-    assert get_tile_gather(adapters[2]).workspace.nbytes == 0
-
-
-def test_reserve_sizes_for_the_adapters_own_group_and_needs_it_set():
-    adapter = StandInAdapter(state={"sp_size": 2, "sp_rank": 0, "sp_process_group": ThreadWorld(2).group(0)})
-    install_tile_gather_reuse(adapter, enabled=True)
-    assert get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28) == 2 * 14 * 384
-    adapter.state = {}
-    with pytest.raises(RuntimeError, match=r"parallel state \{\}; expected sp_size=1 and sp_rank=0"):
-        get_tile_gather(adapter).reserve(TILE_SHAPE, torch.float32, 28)

@@ -265,22 +265,13 @@ class TileGatherReuse:
             "geometries": dict(self._geometries),
         }
 
-    def reserve(self, tile_shape: Sequence[int], dtype: torch.dtype, num_tiles: int) -> int:
-        """Size the workspace for a geometry on the adapter's device and group; returns its bytes."""
-        state = self._parallel_state()
-        group = state.get("sp_process_group") if isinstance(state, Mapping) else None
-        size = group.size() if group is not None else 1
-        _check_parallel(state, size, group.rank() if group is not None else 0)
-        self.workspace.ensure(workspace_bytes(size, num_tiles, tile_shape, dtype), self.device, group)
-        return self.workspace.nbytes
-
     def release(self) -> None:
         """Drop the workspace, at shutdown; the next gather allocates a new one."""
         self.workspace.drop()
 
 
 def get_tile_gather(adapter: Any) -> TileGatherReuse | None:
-    """The gather installed on ``adapter``'s checkpoint, if any (for stats, reserve and release)."""
+    """The gather installed on ``adapter``'s checkpoint, if any (for its stats)."""
     gather = getattr(getattr(adapter, "model", None), "__dict__", {}).get(_GATHER_ATTR)
     return gather if isinstance(gather, TileGatherReuse) else None
 
