@@ -85,7 +85,7 @@ class RequestPool:
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The pool's segments (``address``, ``total_size`` ...), as the allocator reports them: for diagnostics."""
-        return self._pool.snapshot()
+        return [] if self._pool is None else self._pool.snapshot()
 
     @contextlib.contextmanager
     def request(self):
