@@ -279,6 +279,16 @@ def test_with_the_request_pool_auto_picks_torchs_own_collectives_and_1_is_refuse
     assert pc.collectives_for("xpu").staged and not pc.collectives_for("cpu").staged
 
 
+def test_a_coordinator_made_with_staging_and_the_pool_both_on_stops_the_start_up_naming_both(monkeypatch):
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    monkeypatch.setenv(pc.POOL_ENV, "1")
+    monkeypatch.setenv(pc.SWITCH_ENV, "1")
+    monkeypatch.setattr(pc, "_choose", lambda: pc.collectives_for("xpu"))
+    with pytest.raises(ValueError, match=rf"^{pc.SWITCH_ENV}=1 and {pc.POOL_ENV}=1 each keep"):
+        pc.register_coordinator(object())  # before anything of the coordinator is read
+
+
 @pytest.mark.parametrize("raw", ["pool", "", "yes", "2"])
 def test_a_switch_value_other_than_auto_1_or_0_is_refused_naming_it(monkeypatch, raw):
     from vllm_omni.distributed import persistent_collectives as pc

@@ -599,6 +599,7 @@ _control_groups: weakref.WeakSet = weakref.WeakSet()
 
 
 def register_coordinator(coordinator: Any) -> None:
+    platform_choice()  # a bad switch stops start-up here, on every rank alike, not at the first request
     _cpu_twins[coordinator.device_group] = _cpu_twins[coordinator.cpu_group] = coordinator.cpu_group
     if coordinator.cpu_group is not coordinator.device_group:
         _control_groups.add(coordinator.cpu_group)
