@@ -21,7 +21,7 @@ def pytest_addoption(parser):
 # the plugin installs the gather (tests/diffusion/models/minimax_h3/test_vae_gather_adapter.py, on gloo ranks).
 _PATCHED_TREE_ONLY = (
     "test_vae_gather.py::test_the_adapters_own_init_installs_the_gather_as_the_switch_says",
-    "test_vae_gather.py::test_the_diffusion_envs_read_the_switch_as_the_gather_does",
+    "test_vae_gather.py::test_the_diffusion_envs_declare_the_switch_the_gather_reads",
 )
 
 

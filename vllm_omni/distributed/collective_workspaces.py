@@ -44,11 +44,11 @@ class GrowOnlyBlock:
 
     def __init__(self) -> None:
         self.block: torch.Tensor | None = None
-        self.device: torch.device | None = None
         self.allocs = 0
 
     nbytes = property(lambda self: 0 if self.block is None else self.block.numel())
     data_ptr = property(lambda self: 0 if self.block is None else self.block.data_ptr())
+    device = property(lambda self: None if self.block is None else self.block.device)
 
     def ensure(self, nbytes: int, device: torch.device | str, group: Any = None) -> bool:
         """Hold at least ``nbytes`` on ``device``; returns whether that took a new allocation.
@@ -56,10 +56,10 @@ class GrowOnlyBlock:
         Raises what the allocator raises; the block is then empty.
         """
         device = resolve_device(device)
-        if self.block is not None and self.block.device == device and self.nbytes >= nbytes:
+        if self.device == device and self.nbytes >= nbytes:
             return False
         self.drop()
-        self.block, self.device = allocate_bytes(nbytes, device, group), device
+        self.block = allocate_bytes(nbytes, device, group)
         self.allocs += 1
         return True
 
@@ -67,4 +67,4 @@ class GrowOnlyBlock:
         """Free the block once the device is done with it: old and new blocks never coexist."""
         if self.block is not None:
             synchronize(self.block.device)  # collectives and copies queued on it finish before the memory is reused
-            self.block = self.device = None
+            self.block = None

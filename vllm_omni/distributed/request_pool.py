@@ -92,6 +92,8 @@ class RequestPool:
         if self._depth:  # an entry point called from another: the outer one's pool is in use
             yield
             return
+        if self._pool is None:
+            raise RuntimeError("a request while the worker's request pool is released (asleep); wake_up() renews it")
         # The device named: entered on another, the allocator would make a second pool there, freed at exit.
         with self._api.use_mem_pool(self._pool, device=self.device):
             self._depth, self.requests = 1, self.requests + 1

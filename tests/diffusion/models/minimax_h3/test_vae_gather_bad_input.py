@@ -216,19 +216,25 @@ def test_a_wrong_parallel_state_on_one_rank_raises_the_same_error_on_every_rank_
     _still_in_step(world, adapters)
 
 
-def test_a_rank_that_cannot_read_its_parallel_state_tells_its_peers_over_its_last_gathers_group():
-    class Unreadable(dict):
-        def get(self, *args):
-            raise RuntimeError("injected: the checkpoint's parallel state cannot be read")
+class _Unreadable(dict):
+    def get(self, *args):
+        raise RuntimeError("injected: the checkpoint's parallel state cannot be read")
 
+
+@pytest.mark.parametrize(
+    "state",
+    [_Unreadable(), None, {"sp_size": WORLD, "sp_rank": 1}, {"sp_size": WORLD, "sp_rank": 1, "sp_process_group": None}],
+    ids=["unreadable", "none", "no-group-key", "group-none"],
+)
+def test_a_rank_whose_state_names_no_group_tells_its_peers_over_its_last_gathers_group(state):
     world = ThreadWorld(WORLD)
     adapters = ranks_with_gather(world)
     _still_in_step(world, adapters)  # a first gather: every rank has gathered over its group
-    good, adapters[1].state = adapters[1].state, Unreadable()
+    good, adapters[1].state = adapters[1].state, state
     shares = [(make_share(r, WORLD, NUM_TILES, shape=SHAPE), NUM_TILES) for r in range(WORLD)]
     outcomes = _gather_each(world, adapters, shares)
     _same_error_everywhere(outcomes, RuntimeError, r"rank\(s\) \[1\] failed before the exchange")
-    assert "injected" in str(outcomes[1].__cause__)
+    assert "injected" in str(outcomes[1].__cause__) or "parallel state" in str(outcomes[1].__cause__)
     adapters[1].state = good
     _still_in_step(world, adapters)
 

@@ -152,10 +152,11 @@ def _agree(headers: list[_Header]) -> None:
         )
 
 
-def _check_parallel(state: Any, size: int, rank: int) -> None:
-    """The checkpoint's parallel state must name this rank of the group the gather runs over."""
+def _check_parallel(state: Any, group: Any, size: int, rank: int) -> None:
+    """The checkpoint's parallel state must name the group the gather runs over, and this rank of it."""
     named = (state.get("sp_size"), state.get("sp_rank")) if isinstance(state, Mapping) else None
-    if named is None or any(type(v) is not int for v in named) or named != (size, rank):
+    valid = named is not None and all(type(v) is int for v in named) and state.get("sp_process_group") is group
+    if not valid or named != (size, rank):
         raise RuntimeError(
             f"MiniMax-H3 tile gather: parallel state {state!r}; expected sp_size={size} and sp_rank={rank}, those of "
             "its sp_process_group (none: sp_size=1, sp_rank=0), as MiniMaxH3VideoVAE.set_parallel_size fills it "
@@ -192,14 +193,16 @@ class TileGatherReuse:
 
     @torch.no_grad()  # a tile that requires grad must not fail one rank alone
     def __call__(self, tasks: list[torch.Tensor], num_tiles: int) -> list[torch.Tensor]:
-        # The exchange runs over the group as it is, so that a rank whose state is wrong still tells its peers; one
-        # that cannot read its state at all tells them over the group of its last gather.
-        state, group, error = None, self._group, None
+        # The exchange runs over the state's group as it is, so that a rank whose state is wrong still tells its
+        # peers; where the state names no group (or cannot be read), over the group of this rank's last gather.
+        # Only a rank with neither, on its first gather, has no way to tell them.
+        state, group, error = None, None, None
         try:
             state = self._parallel_state()
             group = state.get("sp_process_group") if isinstance(state, Mapping) else None
         except Exception as exc:
             error = exc
+        group = group if group is not None else self._group
         size, rank = (group.size(), group.rank()) if group is not None else (1, 0)
         if size > MAX_RANKS:  # the same on every rank of the group
             raise ValueError(f"MiniMax-H3 tile gather over {size} ranks; at most {MAX_RANKS} are supported")
@@ -207,7 +210,7 @@ class TileGatherReuse:
         try:
             if error is not None:
                 raise error
-            _check_parallel(state, size, rank)
+            _check_parallel(state, group, size, rank)
             mine = _describe(tasks, num_tiles)
             if mine.dtype >= 0 and mine.num_tiles >= size and mine.count == len(range(rank, num_tiles, size)):
                 grew = self._copy_in(tasks, mine, size, rank, group)
