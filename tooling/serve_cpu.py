@@ -23,6 +23,7 @@ import io
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,8 +31,6 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-from tests.distributed.ranks import free_port
 
 WORLD = 4
 SERVE_FLAGS = (
@@ -103,9 +102,6 @@ def serve(
     """
     import requests
 
-    port = free_port()
-    command = [str(Path(sys.executable).with_name("vllm-omni")), "serve", str(model)]
-    command += ["--host=127.0.0.1", f"--port={port}", *flags]
     on_cpu = {
         "VLLM_OMNI_CPU_TEST_PLATFORM": "1",
         "OMP_NUM_THREADS": "1",  # four ranks share two cores
@@ -115,24 +111,54 @@ def serve(
         "VLLM_OMNI_PERSISTENT_COLLECTIVES": reuse,  # the whole-request fix goes with the VAE's unless env says
     }
     env = os.environ | (on_cpu if device == "cpu" else {}) | fixes | RECEIPT_LOGGING | (env or {})
-    log_file = log_path.open("w")
-    process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-    server = Server(process, port, log_path)
+    for attempt in range(1, PORT_RACE_ATTEMPTS + 1):
+        port = _free_port()
+        command = [str(Path(sys.executable).with_name("vllm-omni")), "serve", str(model)]
+        command += ["--host=127.0.0.1", f"--port={port}", *flags]
+        log_file = log_path.open("w")
+        process = subprocess.Popen(command, env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        server = Server(process, port, log_path)
+        try:
+            if _became_healthy(server, startup_s, requests, last_attempt=attempt == PORT_RACE_ATTEMPTS):
+                break
+        except BaseException:
+            stop(server)
+            log_file.close()
+            raise
+        stop(server)
+        log_file.close()
     try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vllm-omni serve exited with {process.returncode}:\n{server.log()[-4000:]}")
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(server.url("/health"), timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm-omni serve not healthy after {startup_s} s:\n{server.log()[-4000:]}")
-            time.sleep(2)
         yield server
     finally:
         stop(server)
         log_file.close()
+
+
+PORT_RACE_ATTEMPTS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _became_healthy(server: Server, startup_s: float, requests, *, last_attempt: bool) -> bool:
+    """Wait for ``/health``. ``False`` when the server exited because a port it was given (its HTTP port or one vLLM
+    picked for its ranks) was taken between being chosen and being bound, and another start may try."""
+    deadline = time.monotonic() + startup_s
+    while True:
+        if server.process.poll() is not None:
+            log = server.log()
+            if not last_attempt and "address already in use" in log.lower():
+                return False
+            raise RuntimeError(f"vllm-omni serve exited with {server.process.returncode}:\n{log[-4000:]}")
+        with contextlib.suppress(requests.ConnectionError):
+            if requests.get(server.url("/health"), timeout=5).status_code == 200:
+                return True
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"vllm-omni serve not healthy after {startup_s} s:\n{server.log()[-4000:]}")
+        time.sleep(2)
 
 
 def stop(server: Server, grace_s: float = 60) -> None:

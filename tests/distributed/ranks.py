@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
@@ -19,12 +18,6 @@ from typing import Any
 PREPARE: Callable[[], None] | None = None  # run first in every rank unless a call names its own
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank_entry(fn, rank, world_size, port, backend, pg_timeout_s, results, env, prepare, args) -> None:
     os.environ.update(env)
     import torch.distributed as dist
@@ -32,13 +25,9 @@ def _rank_entry(fn, rank, world_size, port, backend, pg_timeout_s, results, env,
     try:
         if prepare is not None:
             prepare()
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=pg_timeout_s),
-        )
+        timeout = timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         results.put((rank, "ok", fn(rank, world_size, *args)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which decides
         results.put((rank, "error", traceback.format_exc()))
@@ -62,13 +51,17 @@ def run_ranks(
     Returns ``{rank: ("ok", result) | ("error", traceback)}`` for the ranks that reported within
     ``timeout_s``; ranks still running then are killed and absent, so a hang shows as a missing rank.
     """
+    import torch.distributed as dist
     import torch.multiprocessing as mp
 
     prepare = prepare if prepare is not None else PREPARE
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The parent holds the rendezvous store on a port the OS picked and keeps it bound until the ranks are done: no
+    # port is chosen, released and then raced for by whatever else starts meanwhile.
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(
             target=_rank_entry,
@@ -94,6 +87,7 @@ def run_ranks(
         if proc.is_alive():
             proc.kill()
             proc.join()
+    del store
     return reported
 
 

@@ -171,22 +171,9 @@ def _started_together(scenarios: dict[str, tuple], **env: str) -> dict[str, dict
     """Each scenario ``(fn, *args)`` in a fresh single-rank process, all started at once: each loads vLLM-Omni on its
     own (about ten seconds of CPU), so started together they take the time of a few on this machine's cores. Each
     test reads its own scenario's outcome (``results_or_raise``), so a failure names the scenario it comes from."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.distributed import ranks
-
-    free_port, handed, lock = ranks.free_port, set(), threading.Lock()
-
-    def distinct_port() -> int:  # no two scenarios started together get the same rendezvous port
-        with lock:
-            while (port := free_port()) in handed:
-                pass
-            handed.add(port)
-            return port
-
     with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(max_workers=len(scenarios)) as pool:
-        mp.setattr(ranks, "free_port", distinct_port)
         for name, value in env.items():  # read at interpreter start: set before the processes are spawned
             mp.setenv(name, value)
         started = {key: pool.submit(run_ranks, fn, 1, *args, timeout_s=600) for key, (fn, *args) in scenarios.items()}
