@@ -2,19 +2,19 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """The operator's A/B: a census of every collective a served request makes, by component, per arm.
 
-Serves a whole pipeline (synthetic on CPU ranks, ``--model`` on cards) with ``vllm-omni serve`` on four ranks (VAE
-patch parallel 4 in tile mode, model-level offload or ``--offload layerwise``, and the DiT's ``--layout``: TP 4 by
-default) once per arm (``PIPELINE_RUNS``), ``--requests`` identical requests each: the whole request staged, in pool
-mode, with the switch at ``0``, the release without this project's plugin, and for MiniMax-H3 its VAE tile gather
-alone. ``--pipeline`` picks the model: ``minimax_h3`` (default; ``--layout hsdp`` is FSDP2 over Ulysses 4),
-``wan2_2`` (Wan2.2 text-to-video, two experts; ``cfg`` is CFG parallel 2 x Ulysses 2, ``spatial_shard`` the VAE's
-spatially sharded decode, ``pp`` pipeline parallel 2 x Ulysses 2) or ``qwen_image`` (Qwen-Image text-to-image,
-joint attention); with ``--model`` it is read from the checkpoint. The servers
-without and with the layer run side by side and take their requests in alternating order, so that their
-request times pair up: the layer's cost. Every worker keeps a census (``xpu_collective_memory.census``): per
-request, component and call site, the calls, bytes moved, and how many buffers were fresh (new to the backend:
-a registration on XPU) or persistent across an ``empty_cache``, and memory after each request. Prints a table,
-writes ``census.json`` and ``census.png``, and for MiniMax-H3 under TP projects the bytes to the seed's geometry.
+Serves a whole pipeline (synthetic on CPU ranks, ``--model`` on cards) with ``vllm-omni serve`` on four ranks (VAE patch
+parallel 4 in tile mode, model-level offload or ``--offload layerwise``, and the DiT's ``--layout``: TP 4 by default)
+once per arm (``PIPELINE_RUNS``), ``--requests`` identical requests each: the whole request staged, in pool mode, the
+release without this project's plugin (the plugin at ``0`` leaves every class as released: the same run), and for
+MiniMax-H3 its VAE tile gather alone. ``--pipeline`` picks the model: ``minimax_h3`` (default; ``--layout hsdp`` is
+FSDP2 over Ulysses 4), ``wan2_2`` (Wan2.2 text-to-video, two experts; ``cfg`` is CFG parallel 2 x Ulysses 2,
+``spatial_shard`` the VAE's spatially sharded decode, ``pp`` pipeline parallel 2 x Ulysses 2) or ``qwen_image``
+(Qwen-Image text-to-image, joint attention); with ``--model`` it is read from the checkpoint. The servers without and
+with the layer run side by side and take their requests in alternating order, so that their request times pair up: the
+layer's cost. Every worker keeps a census (``xpu_collective_memory.census``): per request, component and call site, the
+calls, bytes moved, and how many buffers were fresh (new to the backend: a registration on XPU) or persistent across an
+``empty_cache``, and memory after each request. Prints a table, writes ``census.json`` and ``census.png``, and for
+MiniMax-H3 under TP projects the bytes to the seed's geometry.
 
     python -m benchmarks.pipeline_census --requests 8 --output-dir out/census
     python -m benchmarks.pipeline_census --pipeline wan2_2 --layout ulysses --requests 3
@@ -42,6 +42,7 @@ from vllm_omni.diffusion.models.minimax_h3.vae_gather import REUSE_ENV
 from vllm_omni.distributed.persistent_collectives import SWITCH_ENV
 from vllm_omni.distributed.request_pool import POOL_ENV
 from xpu_collective_memory.census import CENSUS_ENV, COMPONENTS
+from xpu_collective_memory.overlay import PROJECT_DIST
 from xpu_collective_memory.renamed import CENSUS_ENV_BEFORE_0_12, CENSUS_PLUGIN, PLUGIN, listed_plugins
 
 MIB = 1024 * 1024
@@ -65,24 +66,21 @@ COMMON_FLAGS = tuple(f for f in serve_cpu.SERVE_FLAGS if not f.startswith(("--te
 # or layer-wise (each DiT layer in turn, on its own copy stream: what holds memory longer inside a pool).
 OFFLOAD_FLAGS = {"model": ("--enable-cpu-offload",), "layerwise": ("--enable-layerwise-offload",)}
 PROMPT = "a red fox running through fresh snow"
-# Each run's switches: both fixes off, MiniMax-H3's VAE tile gather only, the whole request staged, and the whole
-# request in the worker's private memory pool (on CPU ranks, the test platform's stand-in for the pool API).
+# Each run's switches: MiniMax-H3's VAE tile gather only, the whole request staged, the whole request in the worker's
+# private memory pool (on CPU ranks, the test platform's stand-in for the pool API), and the release.
 RUNS = {
-    "off": {REUSE_ENV: "0", SWITCH_ENV: "0", POOL_ENV: "0"},
     "vae": {REUSE_ENV: "1", SWITCH_ENV: "0", POOL_ENV: "0"},
     "whole": {REUSE_ENV: "1", SWITCH_ENV: "1", POOL_ENV: "0"},
     "pool": {REUSE_ENV: "1", SWITCH_ENV: "0", POOL_ENV: "1"},
     "release": {REUSE_ENV: "0", SWITCH_ENV: "0", POOL_ENV: "0"},  # this project's fix not loaded (the census is)
 }
-# The request pool routes no collective, so the DiT compiles as released: its oracle (media, graph breaks) is the
-# release, served beside it wherever the DiT's compiled graph is not the same with the collectives routed.
-PIPELINE_RUNS = {
-    "minimax_h3": ("whole", "vae", "pool", "release", "off"),
-    "wan2_2": ("whole", "pool", "off", "release"),
-    "qwen_image": ("whole", "pool", "off", "release"),
-}
 # Per pipeline, its runs, served two at a time side by side with requests interleaved: the first two pair up, the
-# staged layer on / off.
+# staged layer on / off (the VAE's gather alone, else the release).
+PIPELINE_RUNS = {
+    "minimax_h3": ("whole", "vae", "pool", "release"),
+    "wan2_2": ("whole", "release", "pool"),
+    "qwen_image": ("whole", "release", "pool"),
+}
 
 # Effective device copy bandwidth for the layer's copy cost at the seed's geometry (an assumption, not measured).
 COPY_GBS = 500.0
@@ -354,7 +352,10 @@ def format_table(summary: dict[str, Any]) -> str:
                     lines.append(
                         [fix, str(index), component, counts[0], *mib[:2], counts[1], mib[2], counts[2], copied]
                     )
-    text = ["rank 0; fresh = handed to the backend for the first time (a registration on XPU)", *report.align(lines)]
+    versions = summary.get("versions", {})
+    running = ", ".join(f"{name} {value}" for name, value in versions.items())
+    text = [f"census of {running}" if running else "census", ""]
+    text += ["rank 0; fresh = handed to the backend for the first time (a registration on XPU)", *report.align(lines)]
     text.append("")
     for fix, run in summary["runs"].items():
         for index, request in enumerate(run["ranks"][0]["requests"], start=1):
@@ -465,18 +466,15 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
 
 
 def media_groups(runs: dict[str, Any]) -> list[list[str]]:
-    """The runs whose media must be identical: those whose collectives are routed (off, the VAE's only, whole),
-    and the request pool with the release where the release is served (pool routes nothing, so its DiT compiles as the
-    release's), else with the routed runs."""
-    routed = [name for name in ("off", "vae", "whole") if name in runs]
-    unrouted = [name for name in ("pool", "release") if name in runs]
-    return [routed, unrouted] if "release" in runs else [routed + unrouted]
+    """The runs whose media must be identical: all of them. Staged or not, in the pool or not, every collective gives
+    torch's bits, and the compiled DiT's graph with the registered ops computes what the release's does."""
+    return [list(runs)]
 
 
 def paired_runs(runs: dict[str, Any]) -> tuple[str, str] | None:
-    """The two runs served side by side: the whole fix staged, and the one run beside it (the VAE's only, else pool
-    mode, else off), as ``PIPELINE_RUNS`` orders them."""
-    beside = next((name for name in ("vae", "pool", "off") if name in runs), None)
+    """The two runs served side by side: the whole fix staged, and the one run beside it (the VAE's only, else the
+    release), as ``PIPELINE_RUNS`` orders them."""
+    beside = next((name for name in ("vae", "release") if name in runs), None)
     return ("whole", beside) if "whole" in runs and beside is not None else None
 
 
@@ -590,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--without-pool-run",
         action="store_true",
-        help="serve no request-pool run (VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1), nor the release run beside it",
+        help="serve no request-pool run (VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1)",
     )
     parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
     parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")
@@ -723,7 +721,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.model is None and args.pipeline == "qwen_image":
         from tooling.synthetic.qwen_image import REQUEST as request
     skipped = {run for run, skip in (("vae", args.without_vae_run), ("pool", args.without_pool_run)) if skip}
-    skipped |= {"release"} if args.without_pool_run else set()  # the pool arm's oracle
     names = tuple(run for run in PIPELINE_RUNS[args.pipeline] if run not in skipped)
     # CPU ranks can share the machine; a server on cards holds them, so the servers then run in turn.
     side_by_side = args.device == "cpu"
@@ -763,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
             "dit_compile": not args.eager,
             "offload": args.offload,
         },
-        "versions": {p: version(p) for p in ("torch", "vllm-omni")},
+        "versions": {p: version(p) for p in (PROJECT_DIST, "vllm-omni", "torch")},
         "runs": runs,
         "media_identical": all(len({tuple(runs[name]["media_sha256"]) for name in group}) == 1 for group in groups),
         "media_groups": groups,
@@ -771,8 +768,8 @@ def main(argv: list[str] | None = None) -> int:
         "unmanaged_sites": unmanaged_sites(runs),
         "memory_growth": memory_growth(runs),
         "paired_timing": paired_timing(runs) if side_by_side else None,
-        # The books of the run with the fix off carry every collective's plain shape.
-        "projection": projection(runs["off"], runs["whole"]) if synthetic_tp else None,
+        # The release's books carry every collective's plain shape.
+        "projection": projection(runs["release"], runs["whole"]) if synthetic_tp else None,
     }
     (args.output_dir / "census.json").write_text(json.dumps(summary, indent=1))
     plot(summary, args.output_dir / "census.png")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from vllm_omni.distributed.request_pool import RequestPool, refuse_expandable_segments
+from xpu_collective_memory.overlay import running
 
 MIB = 1 << 20
 
@@ -119,12 +120,13 @@ def check(allocator: Any, api: Any, requests: int = 3, mib: int = 256, chunk_mib
     result = verdict(pool_rows, default_rows, allocator.segments(pool))
     result["fill"] = filled
     result["holds"] = result["pool_segments_survived"] and not result["request_2_added_a_segment"]
+    result["running"] = f"{running()}, torch {torch.__version__}"
     return result
 
 
 def format_result(result: dict[str, Any], device: str) -> str:
     lines = [
-        f"pool premise on {device}: {'HOLDS' if result['holds'] else 'DOES NOT HOLD'}",
+        f"pool premise on {device}: {'HOLDS' if result['holds'] else 'DOES NOT HOLD'} ({result['running']})",
         f"  the pool's {result['pool_segments']} segments of request 1 kept their addresses through empty_cache() "
         f"and the fill: {result['pool_segments_survived']}",
         f"  request 2 added a segment to the pool: {result['request_2_added_a_segment']}",

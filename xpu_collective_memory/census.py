@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import persistent_collectives
+from vllm_omni.distributed import persistent_collectives, traced_collectives
 from vllm_omni.distributed.collective_workspaces import resolve_device
 
 from .ledger import CollectiveLedger, worker_pool
@@ -218,7 +218,7 @@ def _counting(forward: Callable, ledger: CollectiveLedger, device, directory: Pa
             # This worker's wall and process CPU seconds for the request, the census's own bookkeeping included.
             books["timing"].append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
             ledger.end_request()
-            collectives = persistent_collectives.platform_collectives()
+            collectives = traced_collectives.platform_collectives()
             books["persistent_collectives"].append(collectives.stats() if collectives.staged else None)
             books["memory"].append(memory_record(device, pool=worker_pool()))
             books["compile"].append(compile_record(self))

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Which distribution's ``vae_gather.py`` Python runs, where a vLLM-Omni release ships one of its own.
+"""The versions this process runs, and which distribution's ``vae_gather.py`` Python runs where a vLLM-Omni release
+ships one of its own.
 
 ``pip install .`` lays this project's ``vae_gather.py`` into the installed vLLM-Omni package. Should a
 vLLM-Omni release carry a file of that name, one of the two installs silently replaces the other; this
@@ -18,11 +19,24 @@ OVERLAY_FILE = "vllm_omni/diffusion/models/minimax_h3/vae_gather.py"
 PROJECT_DIST = "vllm-omni-xpu-collective-memory"
 
 
-def omni_version() -> str:
+def _version(dist_name: str) -> str:
     try:
-        return version("vllm-omni")
+        return version(dist_name)
     except PackageNotFoundError:
         return "unknown"
+
+
+def omni_version() -> str:
+    return _version("vllm-omni")
+
+
+def project_version() -> str:
+    return _version(PROJECT_DIST)
+
+
+def running() -> str:
+    """What this process runs, for log lines and reports: this project's version on vLLM-Omni's."""
+    return f"{PROJECT_DIST} {project_version()} on vllm-omni {omni_version()}"
 
 
 def _recorded(dist_name: str):

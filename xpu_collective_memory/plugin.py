@@ -7,9 +7,9 @@ Upstream, ``MiniMaxH3VideoVAE.__init__`` ends with ``install_tile_gather_reuse(s
 diffusion worker keeps its request pool (``VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1``) from ``init_device`` to
 ``sleep()``. vLLM-Omni loads this plugin in every process (API server, LLM stages, workers of any model), so it only
 hooks: MiniMax-H3's adapter when its module is loaded, and a diffusion worker as it sets up its device. There,
-without the pool it routes the request path's collectives (``request_path``), which stage where
-``VLLM_OMNI_PERSISTENT_COLLECTIVES`` says; with the pool it routes none and runs each request entry point in the
-worker's pool. Any other process is left untouched.
+where ``VLLM_OMNI_PERSISTENT_COLLECTIVES`` stages, it routes the request path's collectives (``request_path``); with
+the pool it routes none and runs each request entry point in the worker's pool; with neither it leaves the worker and
+every module as released. Any other process is left untouched.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from types import ModuleType
 
 from vllm.logger import init_logger
 
-from .overlay import check_overlay, omni_version
+from .overlay import check_overlay, running
 from .renamed import old_entry_point, old_pool_switch
 
 # Under vLLM-Omni's logger, so its handlers and level apply: a top-level name would drop the INFO line.
@@ -39,6 +39,7 @@ _EXPECTED_METHODS = ("set_parallel_size", "_native_parallel_state", "offload_to_
 # The worker's entry points of a request: each runs inside the worker's request pool, where it has one.
 REQUEST_ENTRY_POINTS = ("execute_model", "execute_model_batch", "execute_stepwise")
 _warned = False
+_announced = False  # the start-up line: once per process
 
 
 def _warn_once(reason: str) -> None:
@@ -46,9 +47,9 @@ def _warn_once(reason: str) -> None:
     if not _warned:
         _warned = True
         logger.warning(
-            "[XPU_COLLECTIVE_MEMORY] MiniMax-H3's VAE keeps the checkpoint's tile gather: %s (vllm-omni %s)",
+            "[XPU_COLLECTIVE_MEMORY] MiniMax-H3's VAE keeps the checkpoint's tile gather: %s (%s)",
             reason,
-            omni_version(),
+            running(),
         )
 
 
@@ -75,6 +76,13 @@ def hook_adapter(module: ModuleType) -> bool:
 
     from vllm_omni.diffusion.models.minimax_h3 import vae_gather
     from vllm_omni.distributed import managed_distributed
+    from vllm_omni.distributed.traced_collectives import staging
+
+    gathers, routes = vae_gather.reuse_mode() != "0", staging()
+    if not (gathers or routes):
+        logger.info("[XPU_COLLECTIVE_MEMORY] %s=0 and staging off: MiniMax-H3's VAE is as released (%s)",
+                    vae_gather.REUSE_ENV, running())  # fmt: skip
+        return True
 
     @functools.wraps(original)
     def __init__(self, *args, **kwargs):
@@ -82,16 +90,18 @@ def hook_adapter(module: ModuleType) -> bool:
         # Not guarded: a checkpoint the fix cannot serve is logged and left alone inside, alike on every rank, but
         # a rank that fails on its own (a bad switch value, no memory for the 28 KiB header buffer) must not come
         # up with the checkpoint's gather while its peers run this one; its start-up fails instead.
-        vae_gather.install_tile_gather_reuse(self)
-        managed_distributed.scope_remote_code(self.model)
+        if gathers:
+            vae_gather.install_tile_gather_reuse(self)
+        if routes:
+            managed_distributed.scope_remote_code(self.model)
 
     setattr(__init__, _HOOK_MARK, True)
     adapter.__init__ = __init__
     logger.info(
-        "[XPU_COLLECTIVE_MEMORY] hooked %s.%s.__init__ to install the tile gather (vllm-omni %s)",
+        "[XPU_COLLECTIVE_MEMORY] hooked %s.%s.__init__ to install the tile gather (%s)",
         adapter.__module__,
         adapter.__qualname__,
-        omni_version(),
+        running(),
     )
     check_overlay(logger)
     return True
@@ -100,10 +110,10 @@ def hook_adapter(module: ModuleType) -> bool:
 def hook_worker(module: ModuleType) -> bool:
     """Make the diffusion worker do what upstream's does, once; returns whether it is hooked.
 
-    ``init_device`` first hooks the request path, where no request pool is asked for, and ends by making the
-    worker's pool where one is (``request_pool``: after the device is set, before the model loads); each request
-    entry point runs in the worker's pool; ``sleep()`` releases the pool before its ``empty_cache()`` and
-    ``wake_up()`` makes a new one.
+    Staging, ``init_device`` first hooks the request path (before the process groups exist) and it and
+    ``load_model`` run plain collectives. With the request pool, ``init_device`` ends by making the worker's pool
+    (after the device is set, before the model loads), each request entry point runs in it, ``sleep()`` releases it
+    before its ``empty_cache()`` and ``wake_up()`` makes a new one. With neither, the worker is left as released.
     """
     worker = getattr(module, "DiffusionWorker", None)
     original = getattr(worker, "init_device", None) if isinstance(worker, type) else None
@@ -113,31 +123,60 @@ def hook_worker(module: ModuleType) -> bool:
     if getattr(original, _WORKER_MARK, False):
         return True
 
-    from vllm_omni.distributed.persistent_collectives import unstaged
-    from vllm_omni.distributed.request_pool import open_request_pool, pool_enabled
+    from vllm_omni.distributed.persistent_collectives import SWITCH_ENV, switch_mode
+    from vllm_omni.distributed.request_pool import POOL_ENV, pool_enabled
+    from vllm_omni.distributed.traced_collectives import staging
 
-    # Start-up and model load run plain collectives: what they set up keeps no block of its own.
-    plain_init = unstaged()(original)
+    if pool_enabled():
+        _hook_the_pool(worker, original)
+    elif staging():
+        _hook_staging(worker, original)
+    else:
+        logger.info(
+            "[XPU_COLLECTIVE_MEMORY] off in this process (%s=%s on %s, %s unset): the diffusion worker and its "
+            "collectives are as released (%s)",
+            SWITCH_ENV, switch_mode(), _device_type(), POOL_ENV, running(),
+        )  # fmt: skip
+    return True
+
+
+def _device_type() -> str:
+    from vllm_omni.platforms import current_omni_platform
+
+    return current_omni_platform.device_type
+
+
+def _hook_staging(worker: type, original) -> None:
+    from vllm_omni.distributed.persistent_collectives import unstaged
+
+    plain_init = unstaged()(original)  # start-up and model load run plain collectives: they keep no block
 
     @functools.wraps(original)
     def init_device(self, *args, **kwargs):
-        pooled = pool_enabled()
-        if not pooled:
-            hook_request_path()  # before the process groups exist, so that every coordinator is registered
-        result = plain_init(self, *args, **kwargs)
-        if pooled:
-            from vllm_omni.platforms import current_omni_platform
+        hook_request_path()  # before the process groups exist, so that every coordinator is registered
+        return plain_init(self, *args, **kwargs)
 
-            self.request_pool = open_request_pool(current_omni_platform, self.device)
-            logger.info("[XPU_COLLECTIVE_MEMORY] request memory pool: collectives are torch's own (vllm-omni %s)",
-                        omni_version())  # fmt: skip
+    setattr(init_device, _WORKER_MARK, True)
+    worker.init_device = init_device
+    if callable(load_model := getattr(worker, "load_model", None)):
+        worker.load_model = unstaged()(load_model)
+
+
+def _hook_the_pool(worker: type, original) -> None:
+    from vllm_omni.distributed.request_pool import open_request_pool
+
+    @functools.wraps(original)
+    def init_device(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        from vllm_omni.platforms import current_omni_platform
+
+        self.request_pool = open_request_pool(current_omni_platform, self.device)
+        logger.info("[XPU_COLLECTIVE_MEMORY] request memory pool: collectives are torch's own (%s)",
+                    running())  # fmt: skip
         return result
 
     setattr(init_device, _WORKER_MARK, True)
     worker.init_device = init_device
-    load_model = getattr(worker, "load_model", None)
-    if callable(load_model):
-        worker.load_model = unstaged()(load_model)
     for name in REQUEST_ENTRY_POINTS:
         if callable(entry := getattr(worker, name, None)):
             setattr(worker, name, _in_request_memory(entry))
@@ -145,7 +184,6 @@ def hook_worker(module: ModuleType) -> bool:
         worker.sleep = _releasing_the_pool(sleep)
     if callable(wake_up := getattr(worker, "wake_up", None)):
         worker.wake_up = _renewing_the_pool(wake_up)
-    return True
 
 
 def _in_request_memory(entry):
@@ -193,10 +231,10 @@ def hook_request_path() -> None:
         if module is not None and request_path.hook_for(name) is not None:  # imported before this worker started
             _hook_quietly(module)
     logger.info(
-        "[XPU_COLLECTIVE_MEMORY] request path hooked in this diffusion worker (%s=%s, vllm-omni %s)",
+        "[XPU_COLLECTIVE_MEMORY] request path hooked in this diffusion worker (%s=%s, %s)",
         request_path.persistent_collectives.SWITCH_ENV,
         mode,
-        omni_version(),
+        running(),
     )
 
 
@@ -243,13 +281,18 @@ def register() -> None:
     Later calls are no-ops. A bad ``VLLM_OMNI_PERSISTENT_COLLECTIVES`` or block cap fails the process's start-up,
     alike on every rank, rather than leave one rank on other collectives than its peers.
     """
-    from vllm_omni.distributed.persistent_collectives import block_cap, switch_mode
-    from vllm_omni.distributed.request_pool import pool_enabled
+    from vllm_omni.distributed.persistent_collectives import SWITCH_ENV, block_cap, switch_mode
+    from vllm_omni.distributed.request_pool import POOL_ENV, pool_enabled
 
     old_pool_switch()
     pool_enabled()
-    switch_mode()
+    mode = switch_mode()
     block_cap()
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.info("[XPU_COLLECTIVE_MEMORY] loaded: %s (%s=%s, %s=%s)", running(), SWITCH_ENV, mode, POOL_ENV,
+                    "1" if pool_enabled() else "0")  # fmt: skip
     for name in _HOOKS:
         if (module := sys.modules.get(name)) is not None:  # a spawned worker imports its module before the plugins
             _hook_quietly(module)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import managed_distributed, persistent_collectives, persistent_fsdp
+from vllm_omni.distributed import managed_distributed, persistent_collectives, persistent_fsdp, traced_collectives
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
@@ -33,12 +33,12 @@ COORDINATOR_MODULE = "vllm_omni.diffusion.distributed.group_coordinator"
 PLATFORM_MODULE = "vllm_omni.platforms.interface"
 ROUTED_PACKAGE = "vllm_omni.diffusion."
 _METHODS = {
-    "all_reduce": (persistent_collectives.coordinator_all_reduce, ["self", "input_", "op"]),
+    "all_reduce": (traced_collectives.coordinator_all_reduce, ["self", "input_", "op"]),
     "all_gather": (
-        persistent_collectives.coordinator_all_gather,
+        traced_collectives.coordinator_all_gather,
         ["self", "input_", "dim", "separate_tensors", "group"],
     ),
-    "broadcast": (persistent_collectives.coordinator_broadcast, ["self", "input_", "src"]),
+    "broadcast": (traced_collectives.coordinator_broadcast, ["self", "input_", "src"]),
 }
 COORDINATOR_OWNED = frozenset(_METHODS)  # the coordinator's methods replaced by the persistent ones
 _MARK = "_persistent_collectives_hook"

@@ -1,8 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""The collective census end to end: five ``vllm-omni serve`` runs on four CPU ranks: off, VAE only, whole request
-staged, whole request in the request pool (the CPU test platform's stand-in for the pool API: when, not where), and the
-release without this project's fix (the request pool routes nothing: the release is its oracle).
+"""The collective census end to end: four ``vllm-omni serve`` runs on four CPU ranks: VAE only, whole request staged,
+whole request in the request pool (the CPU test platform's stand-in for the pool API: when, not where), and the release
+without this project's fix (also what the plugin runs at ``0``).
 
 Served on vLLM-Omni 0.30.0, the release the patches target and ``requirements/xpu.txt`` installs: its request path is
 0.28.0's plus the pipeline's object collectives on the world's device group. 0.28.0's is the reach check's and the
@@ -97,14 +97,13 @@ def _requests(census, fix):
     return census_bench.requests_of(census[2], fix)
 
 
-RUNS = ["off", "vae", "whole", "pool", "release"]
+RUNS = ["vae", "whole", "pool", "release"]
 
 
-def test_exits_zero_with_media_identical_routed_and_in_the_pool_as_released_and_writes_json_and_plot(census):
+def test_exits_zero_with_the_media_of_every_run_identical_to_the_releases_and_writes_json_and_plot(census):
     code, out, summary = census
     assert code == 0 and summary["media_identical"] and list(summary["runs"]) == RUNS
-    # The request pool routes nothing: its DiT compiles as the release's, and its media are the release's.
-    assert summary["media_groups"] == [["off", "vae", "whole"], ["pool", "release"]]
+    assert summary["media_groups"] == [RUNS]
     for group in summary["media_groups"]:
         digests = {tuple(summary["runs"][fix]["media_sha256"]) for fix in group}
         assert len(digests) == 1 and len(set(next(iter(digests)))) == 1  # identical requests, identical media
@@ -118,7 +117,7 @@ def test_video_vae_fresh_bytes_are_zero_after_request_1_with_either_fix_and_not_
             assert vae["calls"] > 0
             if index > 0:
                 assert vae["fresh_bytes"] == 0 and vae["persistent_buffers"] > 0, (fix, rank, index, vae)
-    for rank, _, request in _requests(census, "off"):
+    for rank, _, request in _requests(census, "release"):
         vae = census_bench.by_component(request)["video_vae"]
         assert vae["fresh_bytes"] > 0 and vae["persistent_buffers"] == 0, (rank, vae)
 
@@ -128,7 +127,7 @@ def test_with_the_whole_request_fix_no_component_hands_the_backend_a_fresh_buffe
         for component, totals in census_bench.by_component(request).items():
             if index > 0:
                 assert totals["fresh_bytes"] == 0 and totals["fresh_buffers"] == 0, (rank, index, component)
-    for fix in ("off", "vae"):  # without the layer, the text encoder and the DiT still do, every request
+    for fix in ("release", "vae"):  # without the layer, the text encoder and the DiT still do, every request
         for rank, _, request in _requests(census, fix):
             totals = census_bench.by_component(request)
             assert totals["dit"]["fresh_buffers"] > 0 and totals["text_encoder"]["fresh_buffers"] > 0, (fix, rank)
@@ -136,17 +135,17 @@ def test_with_the_whole_request_fix_no_component_hands_the_backend_a_fresh_buffe
 
 def test_with_the_whole_fix_barriers_hand_the_backend_no_temporary_and_without_it_they_do(census):
     assert all(request["barrier_temps"] == 0 for _, _, request in _requests(census, "whole"))
-    assert all(request["barrier_temps"] > 0 for _, _, request in _requests(census, "off"))
+    assert all(request["barrier_temps"] > 0 for _, _, request in _requests(census, "release"))
 
 
 def test_object_collectives_are_counted_by_call_site_and_staged_with_the_whole_fix(census):
     # 0.30.0's pipeline broadcasts and gathers Python objects on the world's device group every request.
     sites = {
         fix: {site for _, _, q in _requests(census, fix) for books in q["books"].values() for site in books}
-        for fix in ("off", "whole")
+        for fix in ("release", "whole")
     }
     labelled = {fix: {site for site in found if "_object" in site.split(" @ ")[0]} for fix, found in sites.items()}
-    assert labelled["off"] and labelled["whole"], labelled
+    assert labelled["release"] and labelled["whole"], labelled
     for rank, index, request in _requests(census, "whole"):
         for books in request["books"].values():
             for site, site_books in books.items():
@@ -160,7 +159,7 @@ def test_the_persistent_collectives_stop_allocating_after_request_1_and_never_fa
         assert len(rows) == REQUESTS and rows[0]["block_allocations"] > 0
         assert [r["block_allocations"] for r in rows[1:]] == [0] * (REQUESTS - 1)
         assert all(r["fallbacks"] == 0 and r["staged_calls"] > 0 and r["resident_bytes"] > 0 for r in rows)
-    for fix in ("off", "vae"):
+    for fix in ("release", "vae"):
         assert all(census_bench.layer_per_request(r) == [] for r in census[2]["runs"][fix]["ranks"])
 
 
@@ -173,7 +172,7 @@ def test_the_copy_traffic_the_fix_adds_is_reported_per_request_and_component_and
             assert sum(request["staged_bytes"].values()) == row["staged_bytes"]  # every copy booked to a component
             assert request["staged_bytes"]["dit"] > 0
             assert row["resident_bytes"] <= row["block_cap_bytes"]  # the synthetic calls are all below the cap
-    for rank in census[2]["runs"]["off"]["ranks"]:
+    for rank in census[2]["runs"]["release"]["ranks"]:
         assert all(request["staged_bytes"] == {} for request in rank["requests"])
 
 
@@ -182,7 +181,7 @@ def test_with_the_whole_fix_no_request_has_an_unmanaged_site_and_without_it_the_
     summary = census[2]
     assert summary["unmanaged_sites"]["whole"] == {}
     assert all(request["unmanaged_sites"] == {} for _, _, request in _requests(census, "whole"))
-    for fix in ("off", "vae"):
+    for fix in ("release", "vae"):
         ops = {site.split(" @ ")[0] for site in summary["unmanaged_sites"][fix]}
         assert {"all_reduce", "barrier", "broadcast"} <= ops, (fix, ops)
 
@@ -203,10 +202,9 @@ def test_dit_and_text_encoder_collectives_are_present_and_attributed_on_every_ra
     # The VAE fix touches the VAE only; the layer changes no call and no byte moved, only which buffers.
     runs = census[2]["runs"]
     last = {fix: census_bench.by_component(runs[fix]["ranks"][0]["requests"][-1]) for fix in runs}
-    assert last["off"]["dit"] == last["vae"]["dit"]
+    assert last["release"]["dit"] == last["vae"]["dit"]
     moved = ("calls", "bytes_sent", "bytes_received")
-    assert all(last["whole"]["dit"][key] == last["off"]["dit"][key] for key in moved)
-    assert all(last["pool"]["dit"][key] == last["release"]["dit"][key] for key in moved)  # as released
+    assert all(last[fix]["dit"][key] == last["release"]["dit"][key] for key in moved for fix in ("whole", "pool"))
 
 
 def test_every_request_shows_release_windows_between_components(census):
@@ -218,14 +216,23 @@ def test_every_request_shows_release_windows_between_components(census):
             assert order == ["text_encoder", "dit", "video_vae"], request["timeline"]
 
 
-def test_every_run_compiles_the_dit_as_xpu_does_routed_with_the_breaks_of_off_and_pooled_with_the_releases(census):
+def test_every_run_compiles_the_dit_as_xpu_does_and_only_staging_changes_the_releases_graph_breaks(census):
     summary = census[2]
     assert summary["config"]["dit_compile"]
     for fix in RUNS:
         for rank in summary["runs"][fix]["ranks"]:
             assert [c["dit_compiled"] for c in rank["compile"]] == [True] * REQUESTS, (fix, rank["rank"])
     breaks = {fix: [r["graph_breaks"] for r in ranks] for fix, ranks in summary["compile"].items()}
-    assert breaks["off"] == breaks["vae"] == breaks["whole"] and breaks["pool"] == breaks["release"], breaks
+    assert breaks["vae"] == breaks["pool"] == breaks["release"], breaks  # neither routes a collective
+    assert all(staged <= released for staged, released in zip(breaks["whole"], breaks["release"], strict=True))
+
+
+def test_census_json_and_its_table_name_this_projects_version_beside_vllm_omnis_and_torchs(census):
+    summary = census[2]
+    names = ["vllm-omni-xpu-collective-memory", "vllm-omni", "torch"]
+    assert summary["versions"] == {name: version(name) for name in names}
+    running = ", ".join(f"{name} {version(name)}" for name in names)
+    assert census_bench.format_table(summary).splitlines()[0] == f"census of {running}"
 
 
 def test_census_json_schema_is_stable(census):
@@ -370,7 +377,7 @@ def test_in_pool_mode_every_rank_ran_each_request_forward_in_its_one_pool_and_ma
         entered = [{"in_pool": True, "requests_entered": index} for index in range(1, REQUESTS + 1)]
         assert rank["pool"] == entered, rank["rank"]  # the forward runs every component: all inside
         assert all(request["outside_pool_context"] == {} for request in rank["requests"]), rank["rank"]
-    for fix in ("off", "vae", "whole"):
+    for fix in ("release", "vae", "whole"):
         assert all(rank["pool"] == [None] * REQUESTS for rank in summary["runs"][fix]["ranks"]), fix
     log = (out / "tp-pool" / "server.log").read_text(errors="replace")
     made = serve_cpu.receipt_pids(log, "pools_made")

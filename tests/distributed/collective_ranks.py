@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -124,12 +125,20 @@ class BackendRecorder:
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 
 
-def run_switched(switch: str, module: Callable, inputs: list[torch.Tensor]) -> tuple[list[bytes], dict[str, int]]:
-    """``module`` on each input in inference mode with the switch set: the results' bits and the recorded calls."""
+def run_switched(
+    switch: str, module: Callable, inputs: list[torch.Tensor], compiled: bool = False
+) -> tuple[list[bytes], dict[str, int] | None]:
+    """``module`` on each input in inference mode with the switch set: the results' bits and the recorded calls.
+    A process stages or not for its life, and compiled code reads it once: a compiled ``module`` compiles again.
+    Compiled with staging off, its collectives are torch's functional ones, which call no Python function a
+    recorder could stand in for: nothing is recorded (None)."""
     os.environ[SWITCH_ENV] = switch
-    recorder = BackendRecorder()
+    torch._dynamo.reset()
+    recorder = BackendRecorder() if switch != "0" or not compiled else contextlib.nullcontext()
     with torch.inference_mode(), recorder:
         results = [bits(module(x)) for x in inputs]
+    if not isinstance(recorder, BackendRecorder):
+        return results, None
     (request,) = recorder.summary()
     return results, request
 
@@ -144,6 +153,14 @@ def data(rank: int, shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0) -
 
 def bits(tensor: torch.Tensor) -> bytes:
     return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def close_floats(first: list[bytes], second: list[bytes], rtol: float = 1e-5) -> bool:
+    """Whether float32 results given as ``bits`` agree to ``rtol``: what Inductor keeps where it fuses the code around
+    torch's functional collectives otherwise than around registered ops."""
+    as_floats = [torch.frombuffer(bytearray(b), dtype=torch.float32) for b in (*first, *second)]
+    pairs = zip(as_floats[: len(first)], as_floats[len(first) :], strict=True)
+    return len(first) == len(second) and all(torch.allclose(a, b, rtol=rtol, atol=rtol) for a, b in pairs)
 
 
 def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Callable[[Any], list[torch.Tensor]]]:

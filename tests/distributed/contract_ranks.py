@@ -415,6 +415,42 @@ def capped_fallback(rank: int, world: int) -> dict[str, Any]:
     return {"equal": equal, "fallbacks": staged.fallbacks}
 
 
+def capped_disagreement(rank: int, world: int) -> dict[str, Any]:
+    """Above the cap, ranks that differ in what only each knows: rank 1's tensors require grad, rank 2's are gapped
+    (gloo reduces as many elements from the first, gaps included), rank 3 gets no block. Every rank still runs as many
+    pieces as its peers, so all finish with the plain bits."""
+    from vllm_omni.distributed import collective_workspaces
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    os.environ[CAP_ENV] = "1"
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        if rank == 1:
+            return tensor.requires_grad_(True) if tensor.is_floating_point() else tensor
+        if rank == 2:  # every other element of a tensor twice the size
+            gapped = torch.zeros(2 * tensor.numel(), dtype=tensor.dtype)[::2]
+            return gapped.copy_(tensor)
+        return tensor
+
+    def failing(nbytes, device, group=None):
+        raise RuntimeError(f"injected: no memory for {nbytes} bytes")
+
+    calls = {
+        "all_reduce_int": lambda c: c.all_reduce(own(data(rank, (MIB // 4 + 3,), torch.int64)), None),
+        "broadcast": lambda c: c.broadcast(own(data(rank, (MIB // 2 + 5,), torch.float32)), 0, None),
+        "broadcast_received_gapped": lambda c: c.broadcast(own(data(rank, (MIB // 2 + 5,), torch.float32)), 2, None),
+    }
+    real = collective_workspaces.allocate_bytes
+    if rank == 3:
+        collective_workspaces.allocate_bytes = failing
+    staged, plain = pc.Collectives(persistent=True), pc.Collectives(persistent=False)
+    try:
+        equal = {name: bits(call(staged).detach()) == bits(call(plain).detach()) for name, call in calls.items()}
+    finally:
+        collective_workspaces.allocate_bytes = real
+    return {"equal": equal, "chunked_calls": staged.chunked_calls}
+
+
 class StandInStream:
     """Test-only: a device stream the test makes current, recording what the collectives order on it."""
 
@@ -454,7 +490,7 @@ def four_rank_checks(rank: int, world: int) -> dict[str, Any]:
     """The four-rank checks in one start of the ranks (each start costs seconds of imports), the cap set first: it
     is read once per process. Batches left in flight come last."""
     os.environ[CAP_ENV] = "1"
-    checks = (non_member, capped_blocks, capped_fallback, *DEFECTS, abandoned_batches)
+    checks = (non_member, capped_blocks, capped_fallback, capped_disagreement, *DEFECTS, abandoned_batches)
     return {check.__name__: check(rank, world) for check in checks}
 
 

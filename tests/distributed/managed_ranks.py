@@ -5,6 +5,7 @@ through it, eager and compiled, with ``torch.distributed`` itself as the oracle.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.collective_ranks import SWITCH_ENV, BackendRecorder, bits, data, run_switched
+from tests.distributed.coordinator_ranks import keeping_graphs
 
 
 def every_kind(d: Any, x: torch.Tensor) -> list[torch.Tensor]:
@@ -135,13 +137,21 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         report[f"extras_unmanaged{switch}"] = recorder.summary()[0]["unmanaged"]
         report[f"extras_calls{switch}"] = [name for name, _ in recorder.requests[0]]
         report[f"edges{switch}"] = edge_cases(managed_distributed, rank, world, pair)
-    for backend in ("aot_eager", "inductor"):
-        torch._dynamo.reset()
-        counters.clear()
-        compiled = torch.compile(module, backend=backend, dynamic=True, fullgraph=True)
-        for switch in ("0", "1"):
-            report[f"{backend}{switch}"] = run_switched(switch, compiled, inputs)
-            report[f"{backend}_breaks{switch}"] = sum(counters["graph_break"].values())
+    # Compiled: torch's own module (the release), then this one with staging off (torch's own calls, breaking the
+    # graph where torch's do) and on (whole-graph); and which collective ops the graphs of each hold.
+    arms = (("release", dist, False), ("0", managed_distributed, False), ("1", managed_distributed, True))
+    for backend in ("aot_eager", "inductor", "kept"):
+        for arm, d, fullgraph in arms:
+            graphs: list = []
+            counters.clear()
+            module.d = d
+            chosen = functools.partial(keeping_graphs, graphs) if backend == "kept" else backend
+            compiled = torch.compile(module, backend=chosen, dynamic=True, fullgraph=fullgraph)
+            report[f"{backend}{arm}"] = run_switched("0" if arm == "release" else arm, compiled, inputs, True)
+            report[f"{backend}_breaks{arm}"] = sum(counters["graph_break"].values())
+            targets = {str(node.target) for g in graphs for node in g.graph.nodes if node.op == "call_function"}
+            report[f"ops{arm}"] = sorted(t for t in targets if t.startswith(("_c10d_functional.", "vllm_omni.")))
+    module.d = managed_distributed
     report["oracle"], report["extras_oracle"] = oracle, extras_oracle
     report["non_member_point_to_point"] = non_member_point_to_point(rank, world)
     os.environ[SWITCH_ENV] = "0"

@@ -63,7 +63,7 @@ def checks(rank: int, world: int) -> dict[str, Any]:
     x = data(rank, (world * 2, 6), torch.float32, salt=3)
     report: dict[str, Any] = {}
     report["plain"] = _run(lambda t: every_kind_in_program_order(dist, t), x)
-    for switch in ("0", "1"):  # the graph is the same either way: the switch decides what its ops run
+    for switch in ("0", "1"):
         os.environ[SWITCH_ENV] = switch
         report[f"eager{switch}"] = _run(lambda t: every_kind_in_program_order(managed_distributed, t), x)
     torch._dynamo.reset()

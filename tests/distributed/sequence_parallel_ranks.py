@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.distributed.collective_ranks import SWITCH_ENV, bits, data, run_switched
+from tests.distributed.collective_ranks import SWITCH_ENV, bits, close_floats, data, run_switched
 
 
 def _comm() -> Any:
@@ -63,19 +63,18 @@ def compile_checks(rank: int, world: int) -> dict[str, Any]:
         with torch.inference_mode():
             eager = [bits(module(x)) for x in inputs]
         for backend in ("aot_eager", "inductor"):
-            torch._dynamo.reset()
-            counters.clear()
             compiled = torch.compile(module, backend=backend, dynamic=True, fullgraph=name == "ulysses")
             runs: dict[str, Any] = {}
             for switch in ("0", "1"):
-                runs[switch], request = run_switched(switch, compiled, inputs)
-                runs[f"unmanaged{switch}"] = request["unmanaged"]
+                counters.clear()
+                runs[switch], runs[f"request{switch}"] = run_switched(switch, compiled, inputs, compiled=True)
                 runs[f"breaks{switch}"] = sum(counters["graph_break"].values())
             report[f"{name}/{backend}"] = {
                 "equal": runs["0"] == runs["1"],
+                "close": close_floats(runs["0"], runs["1"]),
                 "equal_to_eager": runs["1"] == eager,  # Inductor may fuse into other roundings: aot_eager's only
                 "graph_breaks": (runs["breaks0"], runs["breaks1"]),
-                "unmanaged": (runs["unmanaged0"], runs["unmanaged1"]),
+                "staged": (runs["request1"]["calls"], runs["request1"]["unmanaged"]),
             }
     dist.barrier()
     return report

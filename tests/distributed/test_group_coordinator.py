@@ -45,18 +45,19 @@ def test_bad_arguments_raise_on_every_rank_before_any_collective_naming_the_valu
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_whole_graph_the_coordinator_adds_no_graph_break_and_keeps_the_plain_bits(compiled, backend):
+def test_compiled_whole_graph_the_coordinator_adds_no_graph_break_and_keeps_the_plain_results(compiled, backend):
     for report in compiled:
         result = report[backend]
-        assert result["graph_breaks"] == 0 and result["equal"]
-        assert result["calls"][0] == result["calls"][1] > 0  # every compiled call reaches the backend, both ways
+        assert result["graph_breaks"] == 0 and result["close"]
+        # aot_eager runs the traced ops as they are: the plain bits. Inductor fuses the code around torch's
+        # functional collectives (staging off) otherwise than around the registered ops: the last bits may differ.
+        assert result["equal"] or backend == "inductor"
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_calls_reach_the_backend_through_blocks_only_when_the_switch_is_on(compiled, backend):
+def test_compiled_with_staging_on_every_call_reaches_the_backend_through_blocks(compiled, backend):
     for report in compiled:
-        plain, staged = report[backend]["unmanaged"]
-        assert plain == report[backend]["calls"][0] and staged == 0
+        assert report[backend]["staged_calls"] > 0 and report[backend]["staged_unmanaged"] == 0
 
 
 def test_compiled_aot_eager_equals_the_eager_plain_module(compiled):
@@ -71,9 +72,12 @@ def test_compiled_the_all_reduce_of_a_strided_view_lands_in_the_view_with_the_ea
     assert all(report["strided_compiled_equals_eager"] for report in compiled)
 
 
-def test_compiled_with_staging_off_the_all_reduce_runs_on_the_tensor_itself_with_no_copy_around_it():
-    reports = results_or_raise(run_ranks(coordinator_ranks.in_place_checks, 2, timeout_s=600), 2)
+def test_compiled_with_staging_off_the_graph_holds_torchs_functional_collectives_and_none_of_ours():
+    reports = results_or_raise(run_ranks(coordinator_ranks.graph_checks, 2, timeout_s=600), 2)
     for report in reports:
-        assert report["intermediate"]["ops"] == report["graph_input"]["ops"] == 1
-        assert report["intermediate"]["copies"] == report["graph_input"]["copies"] == []
-        assert report["graph_input"]["handed_input"]  # the backend reduces the caller's storage: no copy inside
+        assert report["0"] == [
+            "_c10d_functional.all_gather_into_tensor",
+            "_c10d_functional.all_reduce",
+            "_c10d_functional.wait_tensor",
+        ]
+        assert report["1"] == ["vllm_omni.all_gather", "vllm_omni.all_reduce"]  # what staging's order rests on

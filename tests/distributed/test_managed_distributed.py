@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import managed_ranks, pool_ranks
+from tests.distributed.collective_ranks import close_floats
 from tests.distributed.ranks import results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
@@ -31,8 +32,11 @@ def test_eager_async_and_point_to_point_calls_give_torchs_bits_and_return_what_t
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_the_switch_on_gives_the_bits_of_the_switch_off(reports, backend):
-    assert all(report[f"{backend}1"][0] == report[f"{backend}0"][0] for report in reports)
+def test_compiled_the_switch_on_gives_the_results_of_the_switch_off(reports, backend):
+    # Inductor fuses the code around torch's functional collectives (off) otherwise than around the registered ops.
+    for report in reports:
+        on, off = report[f"{backend}1"][0], report[f"{backend}0"][0]
+        assert on == off if backend == "aot_eager" else close_floats(on, off)
 
 
 def test_compiled_aot_eager_gives_torchs_eager_bits(reports):
@@ -40,14 +44,27 @@ def test_compiled_aot_eager_gives_torchs_eager_bits(reports):
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_every_kind_traces_into_one_graph_either_way(reports, backend):
-    assert all(report[f"{backend}_breaks0"] == report[f"{backend}_breaks1"] == 0 for report in reports)
+def test_compiled_staging_off_breaks_the_graph_where_torchs_own_does_and_staged_every_kind_is_one_graph(
+    reports, backend
+):
+    for report in reports:
+        assert report[f"{backend}_breaks0"] == report[f"{backend}_breaksrelease"] > 0
+        assert report[f"{backend}_breaks1"] == 0
+
+
+def test_compiled_staging_off_holds_torchs_functional_collectives_as_the_release_does_and_none_of_ours(reports):
+    for report in reports:
+        assert report["ops0"] == report["opsrelease"] and "_c10d_functional.all_reduce" in report["ops0"]
+        assert not [op for op in report["ops0"] if op.startswith("vllm_omni.")]
+        assert not [op for op in report["ops1"] if op.startswith("_c10d_functional.")]
+        assert "vllm_omni.all_reduce" in report["ops1"]
 
 
 @pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
-def test_staged_the_backend_is_handed_only_blocks_and_plain_it_is_handed_the_callers_tensors(reports, mode):
+def test_staged_the_backend_is_handed_only_blocks_and_plain_eager_it_is_handed_the_callers_tensors(reports, mode):
     for report in reports:
-        assert report[f"{mode}0"][1]["unmanaged"] > 0 and report[f"{mode}1"][1]["unmanaged"] == 0, report[mode + "1"]
+        assert report[f"{mode}1"][1]["calls"] > 0 and report[f"{mode}1"][1]["unmanaged"] == 0, report[mode + "1"]
+        assert report["eager0"][1]["unmanaged"] > 0  # compiled off, torch's functional collectives: see ops0
 
 
 def test_staged_async_and_point_to_point_calls_hand_the_backend_only_blocks(reports):

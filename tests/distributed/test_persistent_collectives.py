@@ -209,6 +209,12 @@ def test_a_rank_without_a_block_runs_the_same_chunks_on_its_own_tensors_so_no_pe
         assert report["fallbacks"] == (4 if rank == 1 else 0), rank
 
 
+def test_ranks_that_differ_in_grad_layout_or_a_free_block_run_the_same_pieces_and_finish_with_plain_bits(four):
+    for rank, report in enumerate(checks["capped_disagreement"] for checks in four):
+        assert report == {"equal": dict.fromkeys(report["equal"], True), "chunked_calls": 3}, rank
+        assert len(report["equal"]) == 3
+
+
 def test_a_block_used_on_another_stream_is_ordered_after_its_last_use_before_it_is_written():
     (report,) = results_or_raise(run_ranks(contract_ranks.streams, 1, timeout_s=120), 1)
     copies = ["copy on main", "copy on main"]
@@ -284,7 +290,6 @@ def test_a_coordinator_made_with_staging_and_the_pool_both_on_stops_the_start_up
 
     monkeypatch.setenv(pc.POOL_ENV, "1")
     monkeypatch.setenv(pc.SWITCH_ENV, "1")
-    monkeypatch.setattr(pc, "_choose", lambda: pc.collectives_for("xpu"))
     with pytest.raises(ValueError, match=rf"^{pc.SWITCH_ENV}=1 and {pc.POOL_ENV}=1 each keep"):
         pc.register_coordinator(object())  # before anything of the coordinator is read
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import re
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 
@@ -114,13 +115,62 @@ def test_the_adapter_installs_the_gather_and_scopes_its_remote_code_and_keeps_no
         assert removed not in adapter
 
 
-def test_the_coordinator_routes_its_collectives_through_the_platform_and_registers_every_instance(whole):
+def test_the_coordinator_keeps_its_methods_which_stage_only_where_the_process_does_and_registers_every_instance(
+    whole,
+):
     coordinator = (whole / COORDINATOR).read_text()
     for name in ("all_reduce", "all_gather", "broadcast"):
-        assert f"    {name} = persistent_collectives.coordinator_{name}\n" in coordinator
-        assert f"    def {name}(" not in coordinator
+        method = coordinator[coordinator.index(f"    def {name}(") :]
+        method = method[: method.index("\n    def ", 1)]
+        guard = "        if traced_collectives.staging():  # persistent buffers (XPU), eager and compiled\n"
+        assert guard in method and f"return traced_collectives.coordinator_{name}(self, " in method
+        assert f"dist.{'all_gather_into_tensor' if name == 'all_gather' else name}(" in method  # upstream's call
     # GroupCoordinator's and PipelineGroupCoordinator's own __init__ (the latter calls no super().__init__)
     assert coordinator.count("persistent_collectives.register_coordinator(self)") == 2
+
+
+def _imports(tree: Path, path: Path) -> set[str]:
+    """The ``vllm_omni`` modules ``path`` imports, at its top or inside a function alike."""
+    package = ".".join(path.relative_to(tree).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], *filter(None, [node.module])])
+            found |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+    return {name for name in found if name.startswith("vllm_omni")}
+
+
+def _import_graph(tree: Path) -> dict[str, set[str]]:
+    modules = {
+        ".".join(p.relative_to(tree).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (tree / "vllm_omni").rglob("*.py")
+    }
+    return {name: {m for m in _imports(tree, path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_no_import_the_series_adds_closes_a_cycle(whole, tmp_path):
+    """Upstream has cycles of its own (``forward_context`` and the attention layers); none may go through an import
+    the series adds, at a module's top or inside a function."""
+    graph, released = _import_graph(whole), _import_graph(upstream_patches.pristine_tree(tmp_path / "released"))
+    added = sorted((a, b) for a, targets in graph.items() for b in targets - released.get(a, set()))
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, stack = {start}, [start]
+        while stack:
+            for nxt in graph[stack.pop()] - seen:
+                if nxt == goal:
+                    return True
+                seen.add(nxt)
+                stack.append(nxt)
+        return start == goal
+
+    assert len(added) > 40
+    assert [f"{a} -> {b}" for a, b in added if reaches(b, a)] == []
 
 
 def test_hsdp_shards_with_the_persistent_fully_shard(whole):

@@ -15,7 +15,7 @@ import logging
 import os
 import subprocess
 import sys
-from importlib.metadata import PathDistribution, entry_points
+from importlib.metadata import PathDistribution, entry_points, version
 
 import pytest
 
@@ -67,6 +67,17 @@ def _load_plugins_and_build(rank: int, world: int, component: str, plugins: str 
     }
 
 
+def _adapter_with_everything_off(rank: int, world: int) -> dict:
+    os.environ.pop("VLLM_PLUGINS", None)
+    os.environ.update({"VLLM_OMNI_H3_VAE_GATHER_REUSE": "0", "VLLM_OMNI_PERSISTENT_COLLECTIVES": "0"})
+    from vllm_omni.diffusion.models.minimax_h3.vae import MiniMaxH3VideoVAE
+    from vllm_omni.plugins import load_omni_general_plugins
+
+    before = dict(vars(MiniMaxH3VideoVAE))
+    load_omni_general_plugins()
+    return {"changed": _changed(before, vars(MiniMaxH3VideoVAE))}
+
+
 @pytest.fixture(scope="module")
 def component(tmp_path_factory) -> str:
     return str(build_synthetic_checkpoint(tmp_path_factory.mktemp("h3")))
@@ -76,7 +87,8 @@ def component(tmp_path_factory) -> str:
 def loaded(component) -> dict[str, dict]:
     """vLLM-Omni's loader in a fresh process, by ``VLLM_PLUGINS``: unset, without ours, ours under its old name."""
     plugins = {"unset": None, "without ours": "some_other_plugin", "old name": "minimax_h3_vae_gather"}
-    return _started_together({key: (_load_plugins_and_build, component, value) for key, value in plugins.items()})
+    scenarios = {key: (_load_plugins_and_build, component, value) for key, value in plugins.items()}
+    return _started_together({**scenarios, "everything off": (_adapter_with_everything_off,)})
 
 
 def test_entry_points_new_and_old_names_come_from_the_installed_distribution_metadata():
@@ -99,9 +111,18 @@ def test_vllm_omni_loader_hooks_the_adapter_once_and_the_env_decides_the_install
     assert report["hooked"] and report["wrapped_once"]
     assert not report["auto_installed"]  # auto mode: XPU only
     assert report["forced_installed"] and report["again_installed"]
-    (line,) = report["messages"]
-    assert "hooked vllm_omni.diffusion.models.minimax_h3.vae.MiniMaxH3VideoVAE.__init__" in line
-    assert "(vllm-omni 0." in line
+    loaded_line, hooked = report["messages"]
+    ours = f"vllm-omni-xpu-collective-memory {version('vllm-omni-xpu-collective-memory')}"
+    running = f"{ours} on vllm-omni {version('vllm-omni')}"
+    assert loaded_line == f"[XPU_COLLECTIVE_MEMORY] loaded: {running} (VLLM_OMNI_PERSISTENT_COLLECTIVES=auto, " + (
+        "VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=0)"
+    )
+    assert "hooked vllm_omni.diffusion.models.minimax_h3.vae.MiniMaxH3VideoVAE.__init__" in hooked
+    assert hooked.endswith(f"({running})")
+
+
+def test_with_the_gather_and_staging_off_the_adapter_class_is_as_released(loaded):
+    assert _outcome(loaded, "everything off") == {"changed": []}
 
 
 _REQUEST_PATH = (  # by the rule, not a list: any module of the diffusion tree
@@ -132,20 +153,23 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str, env: dict[str, 
     from vllm_omni.diffusion.worker import diffusion_worker
     from vllm_omni.distributed import managed_distributed
     from vllm_omni.distributed import persistent_collectives as pc
-    from vllm_omni.platforms import current_omni_platform
+    from vllm_omni.distributed import traced_collectives as tc
+    from vllm_omni.platforms.interface import OmniPlatform
     from vllm_omni.plugins import load_omni_general_plugins
 
     before = _torch_distributed_names()
     # Stand-ins for the device and process-group set-up (the gloo group is already up in this rank) and the load.
-    diffusion_worker.DiffusionWorker.init_device = lambda self: ("groups up", pc.platform_collectives().staged)
-    diffusion_worker.DiffusionWorker.load_model = lambda self, **kwargs: pc.platform_collectives().staged
+    diffusion_worker.DiffusionWorker.init_device = lambda self: ("groups up", tc.platform_collectives().staged)
+    diffusion_worker.DiffusionWorker.load_model = lambda self, **kwargs: tc.platform_collectives().staged
+    worker_before, coordinator_before = dict(vars(diffusion_worker.DiffusionWorker)), dict(vars(GroupCoordinator))
+    platform_before = dict(vars(OmniPlatform))
     os.environ.pop("VLLM_PLUGINS", None)
     os.environ[pc.SWITCH_ENV] = value
     try:
         load_omni_general_plugins()
     except ValueError as error:
         return {"error": str(error)}
-    routed_before = GroupCoordinator.all_reduce is pc.coordinator_all_reduce
+    routed_before = GroupCoordinator.all_reduce is tc.coordinator_all_reduce
     returned = diffusion_worker.DiffusionWorker.init_device(object())
     modules = [importlib.import_module(name) for name in _REQUEST_PATH]  # loaded after the hook: hooked on import
     from vllm_omni.diffusion.distributed import group_coordinator, hsdp  # imported before the hook: hooked then
@@ -154,8 +178,8 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str, env: dict[str, 
 
     return {
         "routed_before_init_device": routed_before,
-        "routed": GroupCoordinator.all_reduce is pc.coordinator_all_reduce,
-        "staged": current_omni_platform.collectives().staged,
+        "routed": GroupCoordinator.all_reduce is tc.coordinator_all_reduce,
+        "staged": tc.platform_choice().staged,
         "modules_managed": [module.dist is managed_distributed for module in modules],
         "coordinator_module_managed": group_coordinator.torch.distributed is managed_distributed,
         "fully_shard_persistent": hsdp.fully_shard is persistent_fsdp.fully_shard,
@@ -164,7 +188,15 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str, env: dict[str, 
         "torch_distributed_untouched": _torch_distributed_names() == before,
         "returned": returned,
         "loads_plain": diffusion_worker.DiffusionWorker.load_model(object()) is False,
+        "worker_changed": _changed(worker_before, vars(diffusion_worker.DiffusionWorker)),
+        "coordinator_changed": _changed(coordinator_before, vars(GroupCoordinator)),
+        "platform_changed": _changed(platform_before, vars(OmniPlatform)),
     }
+
+
+def _changed(before: dict, after) -> list[str]:
+    """The attributes of a class that are not the very objects they were."""
+    return sorted(name for name in before.keys() | after.keys() if before.get(name) is not after.get(name))
 
 
 def _started_together(scenarios: dict[str, tuple], **env: str) -> dict[str, dict]:
@@ -206,18 +238,12 @@ def in_a_worker() -> dict[str, dict]:
     return _started_together(scenarios, VLLM_OMNI_CPU_TEST_PLATFORM="1")
 
 
-@pytest.mark.parametrize(
-    ("value", "staged"),
-    [("1", True), ("auto", False), ("0", False)],
-)
-def test_a_diffusion_worker_routes_its_request_path_through_the_platform_and_the_switch_picks_the_buffers(
-    value, staged, in_a_worker
-):
-    report = _outcome(in_a_worker, value)
+def test_a_staging_worker_routes_its_request_path_through_the_platform_and_stages(in_a_worker):
+    report = _outcome(in_a_worker, "1")
     assert report == {
         "routed_before_init_device": False,
         "routed": True,
-        "staged": staged,  # auto: XPU only, and this is the CPU test platform
+        "staged": True,
         "modules_managed": [True] * len(_REQUEST_PATH),
         "coordinator_module_managed": True,  # its tensor-dict and point-to-point methods name torch.distributed
         "fully_shard_persistent": True,
@@ -226,6 +252,30 @@ def test_a_diffusion_worker_routes_its_request_path_through_the_platform_and_the
         "torch_distributed_untouched": True,  # not one torch.distributed or distributed_c10d name replaced
         "returned": ("groups up", False),  # start-up and model load run plain collectives
         "loads_plain": True,
+        "worker_changed": ["init_device", "load_model"],
+        "coordinator_changed": ["__init__", "all_gather", "all_reduce", "broadcast"],
+        "platform_changed": ["collectives"],
+    }
+
+
+@pytest.mark.parametrize("value", ["auto", "0"])  # auto: staging on XPU only, and this is the CPU test platform
+def test_a_worker_that_does_not_stage_leaves_every_class_and_module_as_released(value, in_a_worker):
+    report = _outcome(in_a_worker, value)
+    assert report == {
+        "routed_before_init_device": False,
+        "routed": False,
+        "staged": False,
+        "modules_managed": [False] * len(_REQUEST_PATH),
+        "coordinator_module_managed": False,
+        "fully_shard_persistent": False,
+        "outside_untouched": True,
+        "own_blocks_untouched": True,
+        "torch_distributed_untouched": True,
+        "returned": ("groups up", False),
+        "loads_plain": True,
+        "worker_changed": [],
+        "coordinator_changed": [],
+        "platform_changed": [],
     }
 
 
@@ -254,6 +304,7 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
     from vllm_omni.diffusion.worker import diffusion_worker
     from vllm_omni.distributed import persistent_collectives as pc
     from vllm_omni.distributed import request_pool
+    from vllm_omni.distributed import traced_collectives as tc
     from vllm_omni.platforms import current_omni_platform
     from vllm_omni.plugins import load_omni_general_plugins
     from xpu_collective_memory import plugin
@@ -307,8 +358,8 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
         "pools_made": made_before_wake_up,
         "pool_after_wake_up": MemPool.made == made_before_wake_up + 1 and this.request_pool._pool is not mem_pool,
         "active_after": pool.active,
-        "routed": plugin._request_path_hook is not None or GroupCoordinator.all_reduce is pc.coordinator_all_reduce,
-        "collectives": type(pc.platform_collectives()).__name__ + str(pc.platform_collectives().staged),
+        "routed": plugin._request_path_hook is not None or GroupCoordinator.all_reduce is tc.coordinator_all_reduce,
+        "collectives": type(tc.platform_collectives()).__name__ + str(tc.platform_collectives().staged),
         "switches": {name: os.environ.get(name) for name in (request_pool.POOL_ENV, pc.SWITCH_ENV)},
     }
 
@@ -363,9 +414,10 @@ from vllm_omni.plugins import load_omni_general_plugins
 load_omni_general_plugins()
 from vllm_omni.diffusion.distributed.group_coordinator import GroupCoordinator
 from vllm_omni.distributed import persistent_collectives as pc
+from vllm_omni.distributed import traced_collectives as tc
 print(json.dumps({
     "untouched": _torch_distributed_names() == before,
-    "coordinator_released": GroupCoordinator.all_reduce is not pc.coordinator_all_reduce,
+    "coordinator_released": GroupCoordinator.all_reduce is not tc.coordinator_all_reduce,
     "worker_imported": "vllm_omni.diffusion.worker.diffusion_worker" in sys.modules,
 }))
 """
@@ -396,7 +448,7 @@ def test_vllm_plugins_without_ours_leaves_the_adapter_untouched(loaded):
 def test_vllm_plugins_with_the_old_name_hooks_the_adapter_and_warns_naming_the_new_one(loaded):
     report = _outcome(loaded, "old name")
     assert report["hooked"] and report["wrapped_once"] and report["forced_installed"]
-    renamed, hooked = report["messages"]
+    renamed, _, hooked = report["messages"]
     assert "VLLM_PLUGINS names 'minimax_h3_vae_gather', renamed 'xpu_collective_memory'" in renamed
     assert "VLLM_PLUGINS=xpu_collective_memory" in renamed
     assert "hooked vllm_omni.diffusion.models.minimax_h3.vae.MiniMaxH3VideoVAE.__init__" in hooked

@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""``torch.distributed`` for the request path's modules. Tensor collectives go through the platform's, eager, and
-through the ops of ``traced_collectives`` when compiled. Staged, ``async_op=True`` runs them at once and returns a
-finished work (every rank calls collectives in the same order, so none waits on a later one); unstaged, it is
-torch's own call, overlap kept. Compiled, whatever the ops do not carry is torch's own behind a graph break, so that
+"""``torch.distributed`` for the request path's modules. In a process that does not stage, each function is torch's
+own call, eager and compiled, as upstream's code makes it. Staging, tensor collectives go through the platform's,
+eager, and through the ops of ``traced_collectives`` when compiled; ``async_op=True`` runs them at once and returns
+a finished work (every rank calls collectives in the same order, so none waits on a later one), and while the worker
+loads it is torch's own call. Compiled, whatever the ops do not carry is torch's own behind a graph break, so that
 every rank hands the backend its collectives in program order. Tensors staging would not write as the backend does
 (unlike dtypes or devices, outputs of the wrong shape or count, outputs that require grad) go to torch's own, which
 accepts or rejects them as the backend does. Point-to-point calls run as staged batches, eagerly, where blocks are
@@ -21,8 +22,11 @@ import torch
 import torch.distributed as _dist
 from vllm.logger import init_logger
 
+from vllm_omni.platforms import current_omni_platform
+
 from . import traced_collectives as traced
-from .persistent_collectives import _gathers_into, _writable, _write, cpu_twin, finished_work, platform_collectives
+from .persistent_collectives import _gathers_into, _writable, _write, cpu_twin, finished_work
+from .traced_collectives import platform_collectives, staging
 
 # What a module that names one of these reaches staged, eager and traced alike.
 STAGED = frozenset(
@@ -41,7 +45,8 @@ def __getattr__(name: str):
 
 
 def _torchs(async_op: bool) -> bool:
-    """Whether an ``async_op`` call is torch's own: compiled (behind a graph break), or with nothing to stage."""
+    """Whether a staging process's ``async_op`` call is torch's own: compiled (behind a graph break), or while the
+    worker loads (nothing to stage)."""
     return async_op and (torch.compiler.is_compiling() or not platform_collectives().staged)
 
 
@@ -58,6 +63,8 @@ def _copy_out(outputs, parts) -> None:
 
 
 def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
+    if not staging():
+        return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
     if _torchs(async_op) or (torch.compiler.is_compiling() and traced.reduce_name(op) is None):
         return traced.torchs_own(_dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
@@ -68,6 +75,8 @@ def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
+    if not staging():
+        return _dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
     if src is None or group_src is not None or _torchs(async_op):
         return traced.torchs_own(_dist.broadcast, tensor, src=src, group=group, async_op=async_op, group_src=group_src)
     if torch.compiler.is_compiling():
@@ -82,6 +91,8 @@ def _one_per_rank(tensors: list, group) -> bool:
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
+    if not staging():
+        return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
     tensor = tensor.contiguous()
     if not _gathers_into(tensor_list, tensor, _dist.get_world_size(group)) or _torchs(async_op):
         return traced.torchs_own(_dist.all_gather, tensor_list, tensor, group=group, async_op=async_op)
@@ -93,6 +104,8 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    if not staging():
+        return _dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
     input_tensor = input_tensor.contiguous()
     if not _gathers_into(output_tensor, input_tensor, _dist.get_world_size(group)) or _torchs(async_op):
         return traced.torchs_own(
@@ -109,6 +122,8 @@ all_gather_single = all_gather_into_tensor  # torch 2.13's name for it
 
 
 def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, async_op=False):
+    if not staging():
+        return _dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
     untraced = torch.compiler.is_compiling() and traced.reduce_name(op) is None
     if not _writable(output, input) or _torchs(async_op) or untraced:
         return traced.torchs_own(_dist.reduce_scatter_tensor, output, input, op=op, group=group, async_op=async_op)
@@ -123,6 +138,8 @@ reduce_scatter_single = reduce_scatter_tensor
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+    if not staging():
+        return _dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
     splits = (output_split_sizes, input_split_sizes)
     one_sided = (output_split_sizes is None) != (input_split_sizes is None)  # the traced op sizes its output by both
     staged = _writable(output, input) and not (one_sided and torch.compiler.is_compiling())
@@ -137,6 +154,8 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
     """Equal tensors go as one staged ``all_to_all_single`` of their stack: the same bits, one copy more."""
+    if not staging():
+        return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
     first = input_tensor_list[0]
     parts = [*output_tensor_list, *input_tensor_list]
     even = all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in parts)
@@ -151,15 +170,21 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
     return _done(async_op, group, *output_tensor_list)
 
 
-@torch.compiler.disable  # Dynamo breaks the graph at point-to-point calls anyway; run eagerly, they are staged
 def batch_isend_irecv(p2p_op_list):
+    if not staging():
+        return _dist.batch_isend_irecv(p2p_op_list)
+    return _staged_batch(p2p_op_list)
+
+
+@torch.compiler.disable  # Dynamo breaks the graph at point-to-point calls anyway; run eagerly, they are staged
+def _staged_batch(p2p_op_list):
     return platform_collectives().batch_isend_irecv(p2p_op_list)
 
 
 def _p2p(op, tensor, peer, group, tag, group_peer):
     if peer is None or group_peer is not None or _dist.distributed_c10d._rank_not_in_group(group):
         return None  # by rank within the group, from any source, or outside the group: torch's own
-    if not platform_collectives().staged:
+    if not staging() or not platform_collectives().staged:
         return None  # nothing to stage: torch's own call, not a batch (NCCL's first batch needs every rank)
     return batch_isend_irecv([_dist.P2POp(op, tensor, peer, group, tag)])[0]
 
@@ -203,18 +228,18 @@ class P2POp(_dist.P2POp):
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):
-    from vllm_omni.platforms import current_omni_platform
-
+    plain = not staging() or async_op or torch.compiler.is_compiling() or timeout is not None
+    if plain or _dist.distributed_c10d._rank_not_in_group(group):  # outside the group: torch answers it
+        return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)
     collectives, device = platform_collectives(), current_omni_platform.get_torch_device()
     gloo_on_a_device = device.type != "cpu" and _dist.get_backend(group) == "gloo"  # no device tensors there
-    plain = async_op or torch.compiler.is_compiling() or timeout is not None
-    if plain or not collectives.staged or gloo_on_a_device:
+    if not collectives.staged or gloo_on_a_device:
         return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)
     collectives.barrier(group, device)
 
 
 def _object_group(group):
-    twin = cpu_twin(group) if platform_collectives().staged else None
+    twin = cpu_twin(group) if staging() and platform_collectives().staged else None
     return group if twin is None else twin
 
 

@@ -4,7 +4,9 @@
 collective is handed and keeps it, and after ``empty_cache()`` activations land at new addresses. Staged, a call
 copies into a block kept per (group, device), runs in place there and copies out, as FSDP2's all-gather does.
 A call larger than ``VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB`` goes through its block in chunks where
-chunks keep the plain collective's bits, and whole where they would not.
+chunks keep the plain collective's bits (broadcasts, gathers, all-to-alls split evenly, integer reductions, float sums
+on two ranks), as many on every rank. Float all-reduces on more than two ranks, reduce-scatters, all-to-alls with
+split sizes and point-to-point batches go whole: their block holds the largest such call, at most twice over.
 """
 
 from __future__ import annotations
@@ -68,6 +70,13 @@ ALIGN = 512  # oneCCL's preferred alignment, and a multiple of every dtype's siz
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def _grown(held: int, needed: int) -> int:
+    """A block's next size: at least double what it held, within the cap for calls within it, so that a maximum
+    that rises call after call leaves a few registrations behind, not one per call."""
+    target = max(needed, 2 * held)
+    return aligned(min(target, block_cap()) if needed <= block_cap() else target)
 
 
 def current_stream(device: torch.device) -> Any:
@@ -308,12 +317,18 @@ class Collectives:
     def _lease(self, name: str, block: StagingBlock, group: Any, device: torch.device, nbytes: int):
         if block.device != device or block.nbytes < nbytes:
             try:
-                block.ensure(aligned(nbytes), device, group)
+                block.ensure(_grown(block.nbytes if block.device == device else 0, nbytes), device, group)
             except Exception as error:  # OutOfMemoryError on a device, RuntimeError on CPU: this rank goes plain
                 return self._fall_back(name, f"no block of {nbytes} bytes on {device}: {error}")
         block.use_on(device)
         if not self.staged_calls:
-            logger.info("[PERSISTENT_COLLECTIVES] persistent buffers in use in this process (first: %s)", name)
+            logger.info(
+                "[PERSISTENT_COLLECTIVES] persistent buffers in use in this process (first: %s); blocks of at most "
+                "%d MiB, but float all-reduces on more than two ranks, reduce-scatters, all-to-alls with split sizes "
+                "and point-to-point batches go whole, in blocks of their size",
+                name,
+                block_cap() >> 20,
+            )
         self.staged_calls += 1
         block.busy = True
         return block
@@ -322,10 +337,16 @@ class Collectives:
         _write(destination, source)
         self.staged_bytes += source.nbytes
 
-    def _chunked(self, name: str, group: Any, flat: torch.Tensor, run: Callable, copy_in: bool, copy_out: bool):
-        """``run`` on consecutive pieces of the 1-D ``flat``, staged through a block of at most the cap."""
+    def _chunked(self, name: str, group: Any, tensor: torch.Tensor, run: Callable, copy_in: bool, copy_out: bool):
+        """``run`` on consecutive pieces of ``tensor``'s memory, staged through a block of at most the cap. How many
+        pieces follows from the size and the cap alone, alike on every rank: a rank that cannot stage (a tensor
+        autograd records, no block) runs the same pieces on its own memory. The memory is what gloo hands its ring,
+        as many elements as the tensor has from its first: its span where it is dense, as gloo reads a gapped one."""
+        flat = tensor.detach().as_strided((tensor.numel(),), (1,))
         step = block_cap() // flat.element_size()
-        block = self._acquire(name, group, flat.device, min(step, flat.numel()) * flat.element_size())
+        block = None
+        if not tensor.requires_grad:
+            block = self._acquire(name, group, flat.device, min(step, flat.numel()) * flat.element_size())
         try:
             for start in range(0, flat.numel(), step):
                 part = flat[start : start + step]
@@ -338,23 +359,23 @@ class Collectives:
         finally:
             if block is not None:
                 block.busy = False
-        self.chunked_calls += 1
+        self.chunked_calls += flat.numel() > step
 
     def all_reduce(self, tensor: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
-        """In place, in the tensor's own memory order, as the backend reduces it."""
-        plain = group is _NON_MEMBER or tensor.requires_grad or (strides := _layout(tensor)) is None
-        if plain or not self.staged:
+        """In place, in the tensor's own memory order, as the backend reduces it. Whether it goes in pieces follows
+        from its size, dtype and op alone, the same on every rank."""
+        if group is _NON_MEMBER or not self.staged:
             dist.all_reduce(tensor, op=op, group=group)  # a gapped tensor fails or passes exactly as it would
             return tensor
         self.payload_bytes += tensor.nbytes
         if tensor.nbytes > block_cap():
             if _chunks_keep_bits(tensor, op, group):
-                flat = tensor.as_strided((tensor.numel(),), (1,))  # dense: its storage span, in memory order
-                self._chunked("all_reduce", group, flat, lambda part: dist.all_reduce(part, op, group), True, True)
+                self._chunked("all_reduce", group, tensor, lambda part: dist.all_reduce(part, op, group), True, True)
                 return tensor
             self._once("whole", "all_reduce of %d bytes is staged whole, above the %d-byte cap: chunks would change "
                        "its floating-point sums on more than two ranks", tensor.nbytes, block_cap())  # fmt: skip
-        block = self._acquire("all_reduce", group, tensor.device, tensor.nbytes)
+        strides = None if tensor.requires_grad else _layout(tensor)
+        block = None if strides is None else self._acquire("all_reduce", group, tensor.device, tensor.nbytes)
         if block is None:
             dist.all_reduce(tensor, op=op, group=group)
             return tensor
@@ -368,15 +389,13 @@ class Collectives:
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: Any) -> torch.Tensor:
-        """From global rank ``src``, in place."""
-        plain = group is _NON_MEMBER or not tensor.numel() or tensor.requires_grad or _layout(tensor) is None
-        if plain or not self.staged:
+        """From global rank ``src``, in place; in pieces of at most the cap, as many on every rank."""
+        if group is _NON_MEMBER or not tensor.numel() or not self.staged:
             dist.broadcast(tensor, src=src, group=group)
             return tensor
         self.payload_bytes += tensor.nbytes
         mine = dist.get_rank() == src
-        flat = tensor.as_strided((tensor.numel(),), (1,))
-        self._chunked("broadcast", group, flat, lambda part: dist.broadcast(part, src, group), mine, not mine)
+        self._chunked("broadcast", group, tensor, lambda part: dist.broadcast(part, src, group), mine, not mine)
         return tensor
 
     def all_gather_into_tensor(self, output: Any, input: torch.Tensor, group: Any) -> Any:
@@ -557,7 +576,6 @@ def collectives_for(device_type: str) -> Collectives:
     return choice
 
 
-_choose: Callable[[], Collectives] | None = None
 _loading = False
 
 
@@ -572,25 +590,9 @@ def unstaged():
         _loading = before
 
 
-def platform_collectives() -> Collectives:
-    """The current platform's choice (plain while loading); by the switch alone where the platform makes none."""
-    if _loading:
-        return _PLAIN
-    return (_choose or _resolve())()
-
-
-def platform_choice() -> Collectives:
-    """The current platform's choice, also while loading (for what is set up then and staged later)."""
-    return (_choose or _resolve())()
-
-
-def _resolve() -> Callable[[], Collectives]:
-    global _choose
-    from vllm_omni.platforms import current_omni_platform as platform  # resolved once per process
-
-    choose = getattr(platform, "collectives", None)
-    _choose = choose if callable(choose) else lambda: collectives_for(platform.device_type)
-    return _choose
+def unless_loading(choice: Collectives) -> Collectives:
+    """``choice``, or plain collectives inside ``unstaged()``."""
+    return _PLAIN if _loading else choice
 
 
 # Each CPU group stands in for its device group's object collectives; its own calls are control, never staged.
@@ -599,7 +601,7 @@ _control_groups: weakref.WeakSet = weakref.WeakSet()
 
 
 def register_coordinator(coordinator: Any) -> None:
-    platform_choice()  # a bad switch stops start-up here, on every rank alike, not at the first request
+    switch_mode(), block_cap()  # a bad switch or cap stops start-up here, on every rank alike
     _cpu_twins[coordinator.device_group] = _cpu_twins[coordinator.cpu_group] = coordinator.cpu_group
     if coordinator.cpu_group is not coordinator.device_group:
         _control_groups.add(coordinator.cpu_group)
@@ -610,47 +612,3 @@ def register_coordinator(coordinator: Any) -> None:
 def cpu_twin(group: Any) -> Any:
     """The gloo group over the same ranks as ``group`` (None: the default group), where one is known."""
     return _cpu_twins.get(group if group is not None else dist.group.WORLD)
-
-
-def coordinator_all_reduce(self, input_: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """``GroupCoordinator.all_reduce``: in place where it can be; use the return value."""
-    if self.world_size == 1:
-        return input_
-    if not torch.compiler.is_compiling():
-        return platform_collectives().all_reduce(input_, self.device_group, op)
-    if (name := traced_collectives.reduce_name(op)) is None:
-        traced_collectives.torchs_own(dist.all_reduce, input_, op=op, group=self.device_group)
-        return input_
-    return traced_collectives.all_reduce(input_, name, self.device_group)
-
-
-def coordinator_all_gather(self, input_: torch.Tensor, dim: int = 0, separate_tensors: bool = False, group=None):
-    """``GroupCoordinator.all_gather``: ranks' tensors concatenated along ``dim``, or each rank's (any ``dim``)."""
-    group = self.device_group if group is None else group
-    world_size = dist.get_world_size(group)
-    if world_size == 1:
-        return input_
-    if not -input_.dim() <= dim < input_.dim():
-        raise ValueError(f"dim={dim} for a tensor of shape {tuple(input_.shape)}: expected a dim of it")
-    input_ = input_.contiguous()
-    if torch.compiler.is_compiling():
-        stacked = traced_collectives.all_gather(input_, group)
-    else:
-        stacked = input_.new_empty((world_size * input_.shape[0], *input_.shape[1:]))
-        platform_collectives().all_gather_into_tensor(stacked, input_, group)
-    parts = stacked.view(world_size, *input_.shape).unbind(0)
-    if separate_tensors:
-        return list(parts)
-    return stacked if dim % input_.dim() == 0 else torch.cat(parts, dim=dim)
-
-
-def coordinator_broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """``GroupCoordinator.broadcast`` from the group's rank ``src``, in place."""
-    if src >= self.world_size:
-        raise ValueError(f"src={src}: expected a rank of this group, src < {self.world_size}")
-    if self.world_size == 1:
-        return input_
-    return platform_collectives().broadcast(input_, self.ranks[src], self.device_group)
-
-
-from . import traced_collectives  # noqa: E402  (the ops it registers call back into this module)

@@ -23,7 +23,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 from vllm.logger import init_logger
 
 from .collective_workspaces import GrowOnlyBlock
-from .persistent_collectives import aligned, platform_choice
+from .persistent_collectives import aligned
+from .traced_collectives import platform_choice
 
 logger = init_logger(__name__)
 

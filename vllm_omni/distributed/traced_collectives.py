@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Registered ops through which compiled code reaches the platform's collectives: Dynamo traces torch's own as
-functional collectives into fresh outputs, which no staging sees. Each op finds its group by name, as torch's
-functional collectives do, and is never dead code, since every rank must run it.
+"""The platform's collectives as the request path reaches them: this process's choice (``staging()``, fixed for its
+life, and ``platform_collectives()``), the registered ops through which compiled code reaches them where it stages,
+and the diffusion coordinator's staged methods. Dynamo traces torch's own collectives as functional collectives into
+fresh outputs, which no staging sees; each op finds its group by name, as torch's functional collectives do, and is
+never dead code, since every rank must run it.
 
 Inductor orders its own collectives as the program calls them, but not ops it does not know, and reorders
 independent nodes by memory: graphs that differ between ranks (split sizes are constants) could then hand the
@@ -12,10 +14,39 @@ backend their collectives in a different order on each rank and hang. So every o
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
-from .persistent_collectives import platform_collectives
+from vllm_omni.platforms import current_omni_platform
+
+from .persistent_collectives import Collectives, collectives_for, unless_loading
+
+_choose: Callable[[], Collectives] | None = None
+
+
+def platform_choice() -> Collectives:
+    """The current platform's collectives, also while a worker loads (for what is set up then and staged later); by
+    the switch alone on a release whose platform has no ``collectives()``."""
+    global _choose
+    if _choose is None:
+        choose = getattr(current_omni_platform, "collectives", None)
+        _choose = choose if callable(choose) else lambda: collectives_for(current_omni_platform.device_type)
+    return _choose()
+
+
+def platform_collectives() -> Collectives:
+    """The current platform's collectives; plain while a worker loads its model."""
+    return unless_loading(platform_choice())
+
+
+@torch.compiler.assume_constant_result
+def staging() -> bool:
+    """Whether this process stages: fixed for its life, so compiled code reads it as a constant. Where it does not,
+    every call site runs torch's own collective, eager and compiled, as upstream's code does."""
+    return platform_choice().staged
+
 
 _R = dist.ReduceOp
 REDUCE_OPS = {
@@ -138,3 +169,46 @@ def reduce_scatter(tensor: torch.Tensor, op: str, group) -> torch.Tensor:
 def all_to_all(tensor: torch.Tensor, output_split_sizes, input_split_sizes, group) -> torch.Tensor:
     splits = [None if s is None else list(s) for s in (output_split_sizes, input_split_sizes)]
     return torch.ops.vllm_omni.all_to_all(tensor.contiguous(), *splits, group_name(group), ORDER)
+
+
+# The diffusion coordinator's all-reduce, all-gather and broadcast where its process stages: eager through the
+# platform's collectives, compiled through the ops above.
+def coordinator_all_reduce(self, input_: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``GroupCoordinator.all_reduce``: in place where it can be; use the return value."""
+    if self.world_size == 1:
+        return input_
+    if not torch.compiler.is_compiling():
+        return platform_collectives().all_reduce(input_, self.device_group, op)
+    if (name := reduce_name(op)) is None:
+        torchs_own(dist.all_reduce, input_, op=op, group=self.device_group)
+        return input_
+    return all_reduce(input_, name, self.device_group)
+
+
+def coordinator_all_gather(self, input_: torch.Tensor, dim: int = 0, separate_tensors: bool = False, group=None):
+    """``GroupCoordinator.all_gather``: ranks' tensors concatenated along ``dim``, or each rank's (any ``dim``)."""
+    group = self.device_group if group is None else group
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return input_
+    if not -input_.dim() <= dim < input_.dim():
+        raise ValueError(f"dim={dim} for a tensor of shape {tuple(input_.shape)}: expected a dim of it")
+    input_ = input_.contiguous()
+    if torch.compiler.is_compiling():
+        stacked = all_gather(input_, group)
+    else:
+        stacked = input_.new_empty((world_size * input_.shape[0], *input_.shape[1:]))
+        platform_collectives().all_gather_into_tensor(stacked, input_, group)
+    parts = stacked.view(world_size, *input_.shape).unbind(0)
+    if separate_tensors:
+        return list(parts)
+    return stacked if dim % input_.dim() == 0 else torch.cat(parts, dim=dim)
+
+
+def coordinator_broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """``GroupCoordinator.broadcast`` from the group's rank ``src``, in place."""
+    if src >= self.world_size:
+        raise ValueError(f"src={src}: expected a rank of this group, src < {self.world_size}")
+    if self.world_size == 1:
+        return input_
+    return platform_collectives().broadcast(input_, self.ranks[src], self.device_group)
