@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import sys
 import time
 from importlib.metadata import version
@@ -124,13 +125,15 @@ def serve_and_count(
     real: bool = False,
     eager: bool = False,
     offload: str = "model",
+    serve_args: tuple[str, ...] = (),
+    debug_logging: bool = True,
 ) -> dict[str, Any]:
     """One server per run, all up at once, ``requests`` identical requests each in rotating order.
 
-    ``real``: a real checkpoint (long start-up, long requests). Returns per run the media digests, every
+    ``real``: a real checkpoint (long start-up, long requests). Returns per run the media and their digests, every
     request's client wall time, and every rank's census.
     """
-    flags = (*COMMON_FLAGS, *OFFLOAD_FLAGS[offload], *LAYOUTS[pipeline][layout])
+    flags = serve_args or (*COMMON_FLAGS, *OFFLOAD_FLAGS[offload], *LAYOUTS[pipeline][layout])
     flags += ("--enforce-eager",) if eager else ()
     dirs = {run: _run_dir(out, layout, run) for run in runs}
     media: dict[str, list[bytes]] = {run: [] for run in runs}
@@ -144,7 +147,10 @@ def serve_and_count(
                 env["VLLM_PLUGINS"] = plugins_without_ours()
             log, reuse = dirs[run] / "server.log", RUNS[run][REUSE_ENV]
             startup_s = 3600 if real else 600
-            server = serve_cpu.serve(model, log, reuse=reuse, flags=flags, env=env, startup_s=startup_s, device=device)
+            server = serve_cpu.serve(
+                model, log, reuse=reuse, flags=flags, env=env, startup_s=startup_s, device=device,
+                receipt_logging=debug_logging,
+            )  # fmt: skip
             servers[run] = stack.enter_context(server)
         for index in range(requests):
             for run in runs if index % 2 == 0 else runs[::-1]:
@@ -160,7 +166,7 @@ def serve_and_count(
             got = [len(r["requests"]) for r in ranks]
             raise RuntimeError(f"{dirs[run]}: expected {requests} requests from {serve_cpu.WORLD} ranks, got {got}")
         digests = [hashlib.sha256(m).hexdigest() for m in media[run]]
-        results[run] = {"media_sha256": digests, "ranks": ranks, "request_wall_s": walls[run]}
+        results[run] = {"media_sha256": digests, "ranks": ranks, "request_wall_s": walls[run], "media": media[run]}
     return results
 
 
@@ -285,6 +291,40 @@ def layer_per_request(rank: dict[str, Any]) -> list[dict[str, int]]:
     return rows
 
 
+def verdicts(summary: dict[str, Any]) -> list[str]:
+    """Per arm against the release: memory growth outside PyTorch from request 2 on (the largest of any rank's), the
+    allocator's peak reserved memory and its retries after a failed allocation (an out-of-memory error coming
+    closer). On CPU ranks the figure is the process RSS: no verdict on device memory."""
+    growth = summary["memory_growth"]
+    if "release" not in growth or summary["config"]["requests"] < 3:
+        return ["verdicts: none (they need the release arm and --requests 3 or more)"]
+
+    def from_request_2(rows: list[dict[str, Any]]) -> float:
+        return max(sum(row["growth_MiB"][1:]) for row in rows)
+
+    released = from_request_2(growth["release"])
+    lines = [f"verdict per arm against the release (growth outside PyTorch from request 2 on: {released:.1f} MiB)"]
+    for arm, rows in growth.items():
+        if arm == "release":
+            continue
+        if rows[0]["metric"] != "non_pytorch_bytes":
+            lines.append(f"  {arm}: no verdict: CPU ranks report the process RSS, not device memory")
+            continue
+        grown = from_request_2(rows)
+        peak = max(max(row["peak_reserved_MiB"]) for row in rows)
+        retries = max(max(row["alloc_retries"]) for row in rows)
+        if grown <= max(1.0, 0.05 * released) and retries == 0:
+            verdict = "stops the growth"
+        elif grown < released:
+            verdict = "reduces the growth" + (", with allocator retries" if retries else "")
+        else:
+            verdict = "does not stop the growth"
+        lines.append(
+            f"  {arm}: {verdict}: {grown:.1f} MiB from request 2 on, peak reserved {peak:.0f} MiB, retries {retries}"
+        )
+    return lines
+
+
 def memory_growth(runs: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """The seed's table: per run and rank, the memory sampled after each request and its growth between them.
 
@@ -376,6 +416,8 @@ def format_table(summary: dict[str, Any]) -> str:
         *format_memory(summary),
         "",
         *format_timing(summary),
+        "",
+        *verdicts(summary),
     ]
     proj = summary["projection"]
     if proj is not None:
@@ -465,10 +507,24 @@ def format_layer(summary: dict[str, Any]) -> list[str]:
     return [title] + (report.align(lines))
 
 
-def media_groups(runs: dict[str, Any]) -> list[list[str]]:
-    """The runs whose media must be identical: all of them. Staged or not, in the pool or not, every collective gives
-    torch's bits, and the compiled DiT's graph with the registered ops computes what the release's does."""
-    return [list(runs)]
+def media_groups(runs: dict[str, Any], dit_compiled: bool) -> list[list[str]]:
+    """The runs whose media must be identical: all of them where the DiT runs eagerly. Compiled, staging's graph holds
+    the registered ops, around which Inductor fuses the DiT's code otherwise than around torch's functional
+    collectives: its media are the release's once decoded, to the last bits of some pixels (``media_difference``)."""
+    if not dit_compiled or "whole" not in runs:
+        return [list(runs)]
+    return [["whole"], [name for name in runs if name != "whole"]]
+
+
+def media_difference(media: dict[str, list[bytes]]) -> dict[str, list[dict[str, float]]]:
+    """Per request, how far each run's media are from the release's once decoded; empty without the release."""
+    if "release" not in media:
+        return {}
+    return {
+        name: [serve_cpu.media_difference(mine, theirs) for mine, theirs in zip(got, media["release"], strict=True)]
+        for name, got in media.items()
+        if name != "release"
+    }
 
 
 def paired_runs(runs: dict[str, Any]) -> tuple[str, str] | None:
@@ -569,17 +625,43 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     report.save(fig, [ax, seed_ax], path)
 
 
+def _layouts_help() -> str:
+    by_layout: dict[str, list[str]] = {}
+    for pipeline, layouts in LAYOUTS.items():
+        for layout in layouts:
+            by_layout.setdefault(layout, []).append(pipeline)
+    every = set(LAYOUTS)
+    return "DiT parallelism on four ranks: " + "; ".join(
+        f"{layout} ({'every pipeline' if set(pipelines) == every else ', '.join(pipelines)})"
+        for layout, pipelines in by_layout.items()
+    )
+
+
+EPILOG = (
+    "Needs: with --device xpu, the checkpoint (--model) and four idle cards, one rank each (ZE_AFFINITY_MASK picks "
+    "which four), VLLM_PLUGINS unset or naming xpu_collective_memory and xpu_collective_census; with --device cpu, "
+    "this checkout's CPU set-up (scripts/setup_env.sh). It prints how long it expects to take before it starts. "
+    "Exit status: 0 when it served every arm (on cards, whatever the media), 1 when the media of runs that must agree "
+    "differ on CPU ranks, 2 on a bad argument."
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=8, help="identical requests per server (default 8)")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.pipeline_census",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=EPILOG,
+    )
+    parser.add_argument("--requests", type=int, default=8, help="identical requests per server")
     parser.add_argument(
         "--pipeline",
         choices=tuple(LAYOUTS),
         default=None,
-        help="the synthetic pipeline served (default minimax_h3); with --model, read from its model_index.json",
+        help="the synthetic pipeline served, minimax_h3 where not given; with --model, its model_index.json's",
     )
     layouts = sorted({layout for by_pipeline in LAYOUTS.values() for layout in by_pipeline})
-    parser.add_argument("--layout", choices=layouts, default="tp", help="DiT parallelism (default tp)")
+    parser.add_argument("--layout", choices=layouts, default="tp", help=_layouts_help())
     parser.add_argument(
         "--without-vae-run",
         action="store_true",
@@ -590,24 +672,26 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve no request-pool run (VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL=1)",
     )
-    parser.add_argument("--output-dir", type=Path, default=Path("out/census"))
-    parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written")
+    parser.add_argument("--output-dir", type=Path, default=Path("out/census"), help="census.json, census.png, logs")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="where the synthetic pipeline is written; a user cache if not"
+    )
     parser.add_argument(
         "--offload",
         choices=tuple(OFFLOAD_FLAGS),
         default="model",
-        help="model-level offload (default, as the seed's runs) or layer-wise offload",
+        help="model-level offload (as the seed's runs) or layer-wise offload",
     )
     parser.add_argument(
         "--eager",
         action="store_true",
-        help="serve with --enforce-eager (default: the DiT compiled, as vLLM-Omni runs it on XPU)",
+        help="serve with --enforce-eager (otherwise the DiT compiled, as vLLM-Omni runs it on XPU)",
     )
     parser.add_argument(
         "--model",
         type=Path,
         default=None,
-        help="a downloaded MiniMax-H3 FL2VA or Wan2.2 text-to-video checkpoint (default: the synthetic one)",
+        help="a downloaded MiniMax-H3 FL2VA, Wan2.2 text-to-video or Qwen-Image checkpoint; the synthetic one if not",
     )
     parser.add_argument(
         "--device",
@@ -615,12 +699,28 @@ def build_parser() -> argparse.ArgumentParser:
         default="cpu",
         help="cpu: four CPU ranks through the test-only platform; xpu: the installed XPU platform, one rank per card",
     )
+    parser.add_argument(
+        "--serve-args",
+        default=None,
+        help="your own vllm-omni serve arguments, quoted as one string, in place of the recipe's flags, --layout "
+        "and --offload (keep four ranks); each arm adds only its switches",
+    )
+    parser.add_argument(
+        "--debug-logging",
+        action="store_true",
+        help="serve at DEBUG, each record with its process id (the VAE gather's per-call receipts); on CPU ranks "
+        "always; otherwise your VLLM_LOGGING_LEVEL",
+    )
+    seeds = (("MiniMax-H3", SEED), ("Wan2.2", WAN_SEED), ("Qwen-Image", QWEN_SEED))
     for name, key in (("height", "height"), ("width", "width"), ("num-frames", "frames"), ("steps", "steps")):
+        by_pipeline = ", ".join(
+            f"{seed[key]} for {model}" for model, seed in seeds if not (key == "frames" and model == "Qwen-Image")
+        )
         parser.add_argument(
             f"--{name}",
             type=int,
             default=None,
-            help=f"request's {name} (default with --model: {SEED[key]} for MiniMax-H3, {WAN_SEED[key]} for Wan2.2)",
+            help=f"the request's {name} with --model; if not given, {by_pipeline}",
         )
     return parser
 
@@ -712,6 +812,25 @@ def seed_request(args: argparse.Namespace) -> dict[str, Any] | None:
     return request
 
 
+# What one start-up and one request take, in seconds: on CPU ranks with the synthetic checkpoints (measured here), and
+# the order of a real checkpoint's on cards (a guess until cards report it; the table prints the real times).
+CPU_STARTUP_S, CPU_REQUEST_S = 100, 25
+CARD_STARTUP_S, CARD_REQUEST_S = 600, 300
+
+
+def duration_estimate(arms: tuple[str, ...], requests: int, side_by_side: bool, real: bool) -> str:
+    """The line printed before any server starts: what will be served, and about how long it takes."""
+    startup_s, request_s = (CARD_STARTUP_S, CARD_REQUEST_S) if real else (CPU_STARTUP_S, CPU_REQUEST_S)
+    turns = -(-len(arms) // 2) if side_by_side else len(arms)
+    per_turn = startup_s + requests * request_s * (2 if side_by_side else 1)
+    how = "two at a time" if side_by_side else "one at a time"
+    guess = "a real checkpoint's start-up and requests vary: scale by yours" if real else "measured on CPU ranks here"
+    return (
+        f"{len(arms)} arms ({', '.join(arms)}), {how}, {requests} requests each: about {turns * per_turn / 60:.0f} "
+        f"minutes ({guess})"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     request = seed_request(args)
@@ -726,6 +845,8 @@ def main(argv: list[str] | None = None) -> int:
     side_by_side = args.device == "cpu"
     groups = [names[i : i + 2] for i in range(0, len(names), 2)] if side_by_side else [(run,) for run in names]
     where = f"{args.requests} requests on {serve_cpu.WORLD} {args.device.upper()} ranks each"
+    estimate = duration_estimate(names, args.requests, side_by_side, real=args.model is not None)
+    print(f"[census] {estimate}", file=sys.stderr)
     runs: dict[str, Any] = {}
     for group in filter(None, groups):
         print(f"[census] {args.layout}: run(s) {' and '.join(group)}, {where}", file=sys.stderr)
@@ -741,9 +862,12 @@ def main(argv: list[str] | None = None) -> int:
             real=args.model is not None or args.device != "cpu",
             eager=args.eager,
             offload=args.offload,
+            serve_args=tuple(shlex.split(args.serve_args or "")),
+            debug_logging=args.debug_logging or args.device == "cpu",
         )
     runs = {name: runs[name] for name in RUNS if name in runs}
-    groups = media_groups(runs)
+    media = {name: run.pop("media") for name, run in runs.items()}
+    groups = media_groups(runs, dit_compiled=not args.eager)
     # The projection's formula is the synthetic MiniMax-H3 pipeline's, under TP.
     synthetic_tp = args.layout == "tp" and args.model is None and args.pipeline == "minimax_h3"
     summary = {
@@ -764,6 +888,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
         "media_identical": all(len({tuple(runs[name]["media_sha256"]) for name in group}) == 1 for group in groups),
         "media_groups": groups,
+        "media_difference": media_difference(media),
         "compile": compile_summary(runs),
         "unmanaged_sites": unmanaged_sites(runs),
         "memory_growth": memory_growth(runs),

@@ -3,7 +3,7 @@
 """Pool mode's premise, checked on one card in under a minute, before anyone serves a model: a private pool's
 segments keep their addresses through ``empty_cache()`` and the allocator's retry after a failed allocation.
 
-    python -m benchmarks.pool_premise --device xpu     # or cuda: its caching allocator has the same pool design
+    python -m benchmarks.pool_premise --device xpu     # or xpu:N; cuda: its caching allocator has the same design
 
 It makes the pool as a diffusion worker does (``request_pool.RequestPool``, the device named), runs a few synthetic
 requests inside it that allocate, free and call ``empty_cache()`` as offload does, then one that fills the card to
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 from typing import Any
 
@@ -31,9 +32,11 @@ MIB = 1 << 20
 class DeviceAllocator:
     """What the check needs of a device's caching allocator, from ``torch.xpu`` or ``torch.cuda``."""
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device: str) -> None:
+        device_type, _, index = device.partition(":")
         self.module = getattr(torch, device_type)
-        self.device = torch.device(device_type, self.module.current_device())
+        self.device = torch.device(device_type, int(index) if index else self.module.current_device())
+        self.module.set_device(self.device)
         self.out_of_memory = torch.OutOfMemoryError
 
     def empty(self, nbytes: int) -> Any:
@@ -140,13 +143,34 @@ def format_result(result: dict[str, Any], device: str) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", choices=("xpu", "cuda"), required=True)
+DEVICE = re.compile(r"(xpu|cuda)(:\d+)?")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.pool_premise",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Needs: an idle card (the check fills it to force the allocator's retry) and torch's MemPool (2.11 or "
+        "later). Exit status: 0 where the premise holds, 1 where it does not, 2 on a bad argument.",
+    )
+    parser.add_argument(
+        "--device",
+        required=True,
+        default=argparse.SUPPRESS,
+        help="required: the card, xpu or cuda for the current one, xpu:N or cuda:N for card N",
+    )
     parser.add_argument("--requests", type=int, default=3, help="synthetic requests per arm (at least 2)")
     parser.add_argument("--mib", type=int, default=256, help="the largest activation of a request, MiB")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if not DEVICE.fullmatch(args.device):
+        parser.error(f"--device={args.device!r}: expected xpu, cuda, xpu:N or cuda:N")
     if args.requests < 2 or args.mib < 1:
         parser.error(f"--requests={args.requests} --mib={args.mib}: expected at least 2 requests and 1 MiB")
     allocator = DeviceAllocator(args.device)

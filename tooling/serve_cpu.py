@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 WORLD = 4
 SERVE_FLAGS = (
@@ -63,6 +64,7 @@ RECEIPTS = {
     "dit_compile": r"Regional compilation applied to \d+ module",  # vLLM-Omni's own line: Inductor, lazy
     "pools_made": r"\[MEM_POOL_STAND_IN\] MemPool \(\d+, \d+\) made ",
     "pool_entries": r"\[MEM_POOL_STAND_IN\] MemPool \(\d+, \d+\) in use ",
+    "worker_off": r"\[XPU_COLLECTIVE_MEMORY\] off in this process ",
 }
 SWITCH_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES"
 POOL_ENV = "VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL"
@@ -93,12 +95,14 @@ def serve(
     env: dict[str, str] | None = None,
     startup_s: float = 600,
     device: str = "cpu",
+    receipt_logging: bool = True,
 ) -> Iterator[Server]:
     """Start the server in its own session, wait for ``/health``, and on exit stop it and every child.
 
     ``device="cpu"`` serves on CPU ranks through the test-only platform; ``"xpu"`` on the installed XPU
-    platform, one rank per card. Raises if it does not become healthy, or if a process of its session
-    outlives the stop by 60 s.
+    platform, one rank per card. ``receipt_logging``: DEBUG records, each with its process id, for the fix's
+    receipts; else the logging the environment sets. Raises if it does not become healthy, or if a process of its
+    session outlives the stop by 60 s.
     """
     import requests
 
@@ -110,7 +114,8 @@ def serve(
         "VLLM_OMNI_H3_VAE_GATHER_REUSE": reuse,
         "VLLM_OMNI_PERSISTENT_COLLECTIVES": reuse,  # the whole-request fix goes with the VAE's unless env says
     }
-    env = os.environ | (on_cpu if device == "cpu" else {}) | fixes | RECEIPT_LOGGING | (env or {})
+    logging = RECEIPT_LOGGING if receipt_logging else {}  # else the operator's own level and format
+    env = os.environ | (on_cpu if device == "cpu" else {}) | fixes | logging | (env or {})
     for attempt in range(1, PORT_RACE_ATTEMPTS + 1):
         port = _free_port()
         command = [str(Path(sys.executable).with_name("vllm-omni")), "serve", str(model)]
@@ -228,6 +233,37 @@ def media_info(mp4: bytes) -> Media:
         frames = sum(1 for _ in container.decode(video=0))
         channels, rate = (audio.channels, audio.rate) if audio is not None else (0, 0)
         return Media(video.codec_context.width, video.codec_context.height, frames, channels, rate)
+
+
+def _decoded(media: bytes) -> tuple[Any, Any]:
+    """A video's frames (RGB, uint8) and its audio samples (float), or an image as one frame, decoded."""
+    import av
+    import numpy as np
+
+    if media.startswith(b"\x89PNG"):
+        from PIL import Image
+
+        return np.asarray(Image.open(io.BytesIO(media)).convert("RGB"))[None], np.zeros(0)
+    mp4 = media
+    with av.open(io.BytesIO(mp4)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    with av.open(io.BytesIO(mp4)) as container:
+        chunks = [f.to_ndarray().astype(np.float64).reshape(-1) for f in container.decode(audio=0)]
+    return frames, np.concatenate(chunks) if chunks else np.zeros(0)
+
+
+def media_difference(first: bytes, second: bytes) -> dict[str, float]:
+    """How far two videos are apart once decoded: the peak signal-to-noise ratio of their frames (inf where they are
+    equal) and the largest difference of an audio sample. Compiled code may round the last bits otherwise."""
+    import numpy as np
+
+    (frames_a, audio_a), (frames_b, audio_b) = _decoded(first), _decoded(second)
+    if frames_a.shape != frames_b.shape or audio_a.shape != audio_b.shape:
+        return {"psnr_db": 0.0, "audio_max_diff": float("inf")}
+    mse = float(np.mean((frames_a.astype(np.float64) - frames_b.astype(np.float64)) ** 2))
+    psnr = float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+    audio = float(np.max(np.abs(audio_a - audio_b))) if audio_a.size else 0.0
+    return {"psnr_db": psnr, "audio_max_diff": audio}
 
 
 def _without_colours(log: str) -> str:

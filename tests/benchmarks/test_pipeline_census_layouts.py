@@ -51,10 +51,12 @@ def census(request, tmp_path_factory):
     return request.param, code, json.loads((out / "census.json").read_text())
 
 
-def test_exits_zero_with_media_byte_identical_with_the_fix_off_and_on(census):
+def test_exits_zero_with_media_the_releases_once_decoded_with_the_fix_on(census):
     (pipeline, _), code, summary = census
     assert code == 0 and summary["media_identical"] and summary["config"]["pipeline"] == pipeline
     assert len(set(summary["runs"]["whole"]["media_sha256"])) == 1
+    # Inductor fuses the DiT's code around the registered ops otherwise: the release's media once decoded.
+    assert all(d["psnr_db"] >= 40 for d in summary["media_difference"]["whole"]), summary["media_difference"]
 
 
 def test_with_the_fix_no_rank_or_component_hands_the_backend_a_fresh_buffer_after_request_1(census):

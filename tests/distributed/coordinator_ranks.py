@@ -127,10 +127,10 @@ def graph_checks(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
-def keeping_graphs(graphs: list, graph_module: torch.fx.GraphModule, example_inputs: list) -> Any:
-    """A backend that keeps the graph it is handed and runs it as traced."""
+def keeping_graphs(graphs: list, graph_module: torch.fx.GraphModule, example_inputs: list, then: Any = None) -> Any:
+    """A backend that keeps the graph it is handed and runs it as traced, or hands it on to the backend ``then``."""
     graphs.append(graph_module)
-    return graph_module.forward
+    return graph_module.forward if then is None else then(graph_module, example_inputs)
 
 
 def compile_checks(rank: int, world: int) -> dict[str, Any]:

@@ -33,9 +33,9 @@ def test_eager_async_and_point_to_point_calls_give_torchs_bits_and_return_what_t
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_the_switch_on_gives_the_results_of_the_switch_off(reports, backend):
-    # Inductor fuses the code around torch's functional collectives (off) otherwise than around the registered ops.
+    # Inductor fuses the code around the registered ops otherwise than aot_eager runs torch's functional collectives.
     for report in reports:
-        on, off = report[f"{backend}1"][0], report[f"{backend}0"][0]
+        on, off = report[f"{backend}1"][0], report["aot_eager0"][0]
         assert on == off if backend == "aot_eager" else close_floats(on, off)
 
 
@@ -43,13 +43,10 @@ def test_compiled_aot_eager_gives_torchs_eager_bits(reports):
     assert all(report["aot_eager1"][0] == report["oracle"] for report in reports)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_staging_off_breaks_the_graph_where_torchs_own_does_and_staged_every_kind_is_one_graph(
-    reports, backend
-):
+def test_compiled_staging_off_breaks_the_graph_where_torchs_own_does_and_staged_every_kind_is_one_graph(reports):
     for report in reports:
-        assert report[f"{backend}_breaks0"] == report[f"{backend}_breaksrelease"] > 0
-        assert report[f"{backend}_breaks1"] == 0
+        assert report["graphs0"] == report["graphsrelease"] > report["graphs1"]  # torch's broadcast, list all_to_all
+        assert report["inductor_breaks1"] == 0  # fullgraph: one graph per compile
 
 
 def test_compiled_staging_off_holds_torchs_functional_collectives_as_the_release_does_and_none_of_ours(reports):

@@ -31,7 +31,7 @@ def platform_choice() -> Collectives:
     the switch alone on a release whose platform has no ``collectives()``."""
     global _choose
     if _choose is None:
-        choose = getattr(current_omni_platform, "collectives", None)
+        choose = getattr(type(current_omni_platform), "collectives", None)  # the class: no fallback to torch.<device>
         _choose = choose if callable(choose) else lambda: collectives_for(current_omni_platform.device_type)
     return _choose()
 
