@@ -368,18 +368,34 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     report.save(fig, list(axes[0]), path)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=10, help="requests per strategy, the decode pairs (default 10)")
-    parser.add_argument("--output-dir", type=Path, default=Path("out/minimax_h3_vae_gather"))
-    parser.add_argument("--device", choices=devices.SUPPORTED, default="cpu")
-    parser.add_argument("--world-size", type=int, default=4, help="ranks; on XPU one per card (default 4)")
-    parser.add_argument("--latent-frames", type=int, default=24, help="latent frames: 2 per gather (default 24)")
-    parser.add_argument("--micro-reps", type=int, default=40, help="timed gathers per strategy (default 40)")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.minimax_h3_vae_gather",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Needs: with --device xpu, --world-size idle cards, one rank each (ZE_AFFINITY_MASK picks which); with "
+        "--device cpu, this checkout's CPU set-up. Exit status: 0 when every strategy gave the same frames on every "
+        "rank, 1 when not, 2 on a bad argument.",
+    )
+    parser.add_argument("--requests", type=int, default=10, help="requests per strategy, the decode pairs")
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path("out/minimax_h3_vae_gather"), help="results.json and the plot"
+    )
+    parser.add_argument("--device", choices=devices.SUPPORTED, default="cpu", help="where the ranks run")
+    parser.add_argument("--world-size", type=int, default=4, help="ranks; on XPU one per card")
+    parser.add_argument("--latent-frames", type=int, default=24, help="latent frames: 2 per gather")
+    parser.add_argument("--micro-reps", type=int, default=40, help="timed gathers per strategy")
     parser.add_argument("--ledger-limit", type=int, default=1000, help="registration cache entries, 0: no limit")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated subset")
-    parser.add_argument("--cache-dir", type=Path, default=None, help="where the synthetic checkpoint is written")
+    parser.add_argument(
+        "--cache-dir", type=Path, default=None, help="where the synthetic checkpoint is written; a user cache if not"
+    )
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds before hung ranks are killed")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("world_size", "latent_frames"):
         if getattr(args, name) < 1:

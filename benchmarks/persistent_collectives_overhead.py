@@ -137,11 +137,19 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=4, help="gloo ranks (default 4)")
-    parser.add_argument("--pairs", type=int, default=30, help="paired batches per size (default 30)")
-    parser.add_argument("--calls", type=int, default=20, help="all-reduces per batch (default 20)")
-    parser.add_argument("--output-dir", type=Path, default=Path("out/persistent_collectives_overhead"))
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.persistent_collectives_overhead",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Needs: this checkout's CPU set-up; gloo ranks on this machine's cores, no card. Exit status: 0 when "
+        "it measured, 2 on a bad argument.",
+    )
+    parser.add_argument("--world-size", type=int, default=4, help="gloo ranks")
+    parser.add_argument("--pairs", type=int, default=30, help="paired batches per size")
+    parser.add_argument("--calls", type=int, default=20, help="all-reduces per batch")
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path("out/persistent_collectives_overhead"), help="results.json"
+    )
     return parser
 
 

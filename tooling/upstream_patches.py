@@ -309,12 +309,27 @@ def run_checkout_tests(tree: Path) -> int:
     return subprocess.run(command, cwd=ROOT, env=_tree_env(tree, test_platform=True)).returncode
 
 
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m tooling.upstream_patches",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=f"Needs: the vllm-omni {RELEASE} wheel's venv (.venv-omni-0.30). Exit status: 0 when the patches apply "
+        "(and with test, their tests pass), pytest's status when they fail, 1 when a patch does not apply, 2 on a bad "
+        "argument.",
+    )
+    parser.add_argument("action", choices=("check", "test", "regenerate"), help="what to do")
+    parser.add_argument("--tree", type=Path, help="check/test: where to lay the patched tree (new or empty), a "
+                        "temporary directory if not; regenerate: a git tree whose commits after the first are the "
+                        "series, the patches themselves if not")  # fmt: skip
+    parser.add_argument(
+        "--prefix", type=int, help=f"check/test: the first N patches only (1 to {len(SERIES)}); all if not"
+    )
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("action", choices=("check", "test", "regenerate"))
-    parser.add_argument("--tree", type=Path, help="check/test: where to lay the patched tree (new or empty); "
-                        "regenerate: a git tree whose commits after the first are the series")  # fmt: skip
-    parser.add_argument("--prefix", type=int, help=f"check/test: the first N patches only (1 to {len(SERIES)})")
+    parser = build_parser()
     args = parser.parse_args(argv)
     tree_arg = args.tree.resolve() if args.tree is not None else None
     if args.action == "regenerate":

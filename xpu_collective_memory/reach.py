@@ -247,15 +247,26 @@ def _table(verdicts: list[Verdict]) -> str:
     return "\n".join(rows)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m xpu_collective_memory.reach", description=__doc__.split("\n")[0])
-    parser.add_argument("--tree", type=Path, default=None, help="a diffusion tree (default: the installed one)")
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m xpu_collective_memory.reach",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Prints the sites that are not routed (every site with --all) and a count per verdict. Needs: the "
+        "vLLM-Omni it reads, installed or as --tree; no card, no server. Exit status: 0 when every site is routed or "
+        "reviewed, 1 when one is neither (each is named on stderr), 2 on a bad argument.",
+    )
+    parser.add_argument("--tree", type=Path, default=None, help="a diffusion tree; the installed one if not given")
     parser.add_argument(
         "--without-plugin", action="store_true", help="only what the tree routes itself (a patched tree)"
     )
     parser.add_argument("--json", action="store_true", help="every site and its verdict, as JSON")
     parser.add_argument("--all", action="store_true", help="list routed sites too")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     tree = args.tree or diffusion_tree()
     coordinator = tree / COORDINATOR_MODULE
     owned = not args.without_plugin or "persistent_collectives" in coordinator.read_text(encoding="utf-8")
