@@ -200,6 +200,20 @@ def request_video(server: Server, prompt: str, seed: int, request: dict | None =
     return response.content
 
 
+def scrape(server: Server, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """The samples of the metric ``name`` on the server's ``/metrics``, by their labels."""
+    import requests
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(server.url("/metrics"), timeout=30).text
+    return {
+        tuple(sorted(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    }
+
+
 def request_image(server: Server, prompt: str, seed: int, request: dict, timeout_s: float = 600) -> bytes:
     """One text-to-image request (``request``: height, width and the pipeline's fields); returns the PNG."""
     import base64

@@ -15,6 +15,7 @@ every module as released. Any other process is left untouched.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.abc
 import importlib.machinery
 import inspect
@@ -23,6 +24,7 @@ from types import ModuleType
 
 from vllm.logger import init_logger
 
+from . import serve_metrics
 from .overlay import check_overlay, running
 from .renamed import old_entry_point, old_pool_switch
 
@@ -76,9 +78,8 @@ def hook_adapter(module: ModuleType) -> bool:
 
     from vllm_omni.diffusion.models.minimax_h3 import vae_gather
     from vllm_omni.distributed import managed_distributed
-    from vllm_omni.distributed.traced_collectives import staging
 
-    gathers, routes = vae_gather.reuse_mode() != "0", staging()
+    gathers, routes = vae_gather.reuse_mode() != "0", _staging_here()
     if not (gathers or routes):
         logger.info("[XPU_COLLECTIVE_MEMORY] %s=0 and staging off: MiniMax-H3's VAE is as released (%s)",
                     vae_gather.REUSE_ENV, running())  # fmt: skip
@@ -125,11 +126,10 @@ def hook_worker(module: ModuleType) -> bool:
 
     from vllm_omni.distributed.persistent_collectives import SWITCH_ENV, switch_mode
     from vllm_omni.distributed.request_pool import POOL_ENV, pool_enabled
-    from vllm_omni.distributed.traced_collectives import staging
 
     if pool_enabled():
         _hook_the_pool(worker, original)
-    elif staging():
+    elif _staging_here():
         _hook_staging(worker, original)
     else:
         logger.info(
@@ -146,10 +146,21 @@ def _device_type() -> str:
     return current_omni_platform.device_type
 
 
+def _staging_here() -> bool:
+    """Whether this process stages, by the switches and its platform's device, before anything is hooked (a release's
+    platform has no ``collectives()`` of its own), importing none of staging's modules where it does not."""
+    from vllm_omni.distributed.persistent_collectives import collectives_for
+
+    return collectives_for(_device_type()).staged
+
+
 def _hook_staging(worker: type, original) -> None:
     from vllm_omni.distributed.persistent_collectives import unstaged
+    from vllm_omni.distributed.traced_collectives import platform_choice
 
     plain_init = unstaged()(original)  # start-up and model load run plain collectives: they keep no block
+    serve_metrics.holding(lambda: (1.0, platform_choice().stats()["resident_bytes"]))
+    serve_metrics.hook_runner(importlib.import_module(serve_metrics.RUNNER_MODULE))
 
     @functools.wraps(original)
     def init_device(self, *args, **kwargs):
@@ -171,12 +182,14 @@ def _hook_the_pool(worker: type, original) -> None:
         from vllm_omni.platforms import current_omni_platform
 
         self.request_pool = open_request_pool(current_omni_platform, self.device)
+        serve_metrics.holding(functools.partial(_pool_bytes, self))
         logger.info("[XPU_COLLECTIVE_MEMORY] request memory pool: collectives are torch's own (%s)",
                     running())  # fmt: skip
         return result
 
     setattr(init_device, _WORKER_MARK, True)
     worker.init_device = init_device
+    serve_metrics.hook_runner(importlib.import_module(serve_metrics.RUNNER_MODULE))
     for name in REQUEST_ENTRY_POINTS:
         if callable(entry := getattr(worker, name, None)):
             setattr(worker, name, _in_request_memory(entry))
@@ -184,6 +197,20 @@ def _hook_the_pool(worker: type, original) -> None:
         worker.sleep = _releasing_the_pool(sleep)
     if callable(wake_up := getattr(worker, "wake_up", None)):
         worker.wake_up = _renewing_the_pool(wake_up)
+
+
+def _pool_bytes(worker) -> tuple[float, int]:
+    pool = getattr(worker, "request_pool", None)
+    return 2.0, sum(segment["total_size"] for segment in pool.snapshot()) if pool is not None else 0
+
+
+def hook_server(module: ModuleType) -> bool:
+    """The API server's ``/metrics`` gets the workers' memory figure, where staging or the pool is on."""
+    from vllm_omni.distributed.request_pool import pool_enabled
+
+    if not (pool_enabled() or _staging_here()):
+        return True  # off: the server as released
+    return serve_metrics.hook_server(module)
 
 
 def _in_request_memory(entry):
@@ -238,7 +265,7 @@ def hook_request_path() -> None:
     )
 
 
-_HOOKS = {ADAPTER_MODULE: hook_adapter, WORKER_MODULE: hook_worker}
+_HOOKS = {ADAPTER_MODULE: hook_adapter, WORKER_MODULE: hook_worker, serve_metrics.SERVER_MODULE: hook_server}
 _request_path_hook = None  # in a diffusion worker: request_path.hook_for
 
 

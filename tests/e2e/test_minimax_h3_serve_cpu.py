@@ -45,10 +45,18 @@ def model(tmp_path_factory):
     return build_synthetic_pipeline(tmp_path_factory.mktemp("h3"))
 
 
+FIGURES = ("vllm_omni:memory_outside_pytorch_samples_total", "vllm_omni:memory_outside_pytorch_mb",
+           "vllm_omni:collective_memory_held_mb")  # fmt: skip
+
+
 def _serve_three_requests(model, log_path, reuse: str) -> dict:
+    media, scraped = [], []
     with serve_cpu.serve(model, log_path, reuse=reuse) as server:
-        media = [serve_cpu.request_video(server, prompt, seed=seed) for seed, prompt in enumerate(PROMPTS)]
-    return {"media": media, "log": log_path.read_text(errors="replace"), "returncode": server.process.returncode}
+        for seed, prompt in enumerate(PROMPTS):
+            media.append(serve_cpu.request_video(server, prompt, seed=seed))
+            scraped.append({name: serve_cpu.scrape(server, name) for name in FIGURES})
+    log = log_path.read_text(errors="replace")
+    return {"media": media, "log": log, "returncode": server.process.returncode, "metrics": scraped}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +119,23 @@ def test_with_the_fix_off_the_plugin_hooks_nothing_and_every_worker_says_it_runs
     # Where the plugin is loaded, each process that imports the worker's module says it runs the release: the four
     # workers and the API server.
     assert len(serve_cpu.receipt_pids(fix_off["log"], "worker_off")) == PLUGIN_HOOKS
+
+
+def test_metrics_carry_the_memory_outside_pytorch_of_the_stage_after_every_request_and_only_with_the_fix(
+    fix_on, fix_off
+):
+    if not PLUGIN_HOOKS:  # served in the patched tree: the figure is the plugin's
+        pytest.skip("the /metrics figure comes with the plugin")
+    samples = [scraped[FIGURES[0]] for scraped in fix_on["metrics"]]
+    ((labels, _),) = samples[0].items()  # one stage, its replying rank
+    assert dict(labels)["rank"] == "0" and dict(labels)["model_name"]
+    assert [sample[labels] for sample in samples] == [1.0, 2.0, 3.0]  # refreshed after each request
+    for scraped in fix_on["metrics"]:
+        (outside,) = scraped[FIGURES[1]].items()
+        assert dict(outside[0])["measure"] == "process RSS (CPU test platform)" and outside[1] > 0
+        (held,) = scraped[FIGURES[2]].items()
+        assert dict(held[0])["mechanism"] == "staging" and held[1] > 0
+    assert all(not any(scraped.values()) for scraped in fix_off["metrics"])  # off: the server as released
 
 
 def test_the_server_shuts_down_cleanly_on_sigterm(fix_on, fix_off):
