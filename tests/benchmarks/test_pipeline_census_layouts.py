@@ -56,7 +56,7 @@ def test_exits_zero_with_media_the_releases_once_decoded_with_the_fix_on(census)
     assert code == 0 and summary["media_identical"] and summary["config"]["pipeline"] == pipeline
     assert len(set(summary["runs"]["whole"]["media_sha256"])) == 1
     # Inductor fuses the DiT's code around the registered ops otherwise: the release's media once decoded.
-    assert all(d["psnr_db"] >= 40 for d in summary["media_difference"]["whole"]), summary["media_difference"]
+    assert all(d["psnr_db"] >= 35 for d in summary["media_difference"]["whole"]), summary["media_difference"]
 
 
 def test_with_the_fix_no_rank_or_component_hands_the_backend_a_fresh_buffer_after_request_1(census):

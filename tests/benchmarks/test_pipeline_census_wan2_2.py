@@ -58,7 +58,7 @@ def test_exits_zero_with_the_media_staged_and_in_the_pool_identical_to_the_relea
     _, code, summary, _ = census
     assert code == 0 and summary["media_identical"] and list(summary["runs"]) == ["whole", "pool", "release"]
     assert summary["media_groups"] == [["whole"], ["pool", "release"]]  # Inductor fuses around the ops otherwise
-    assert all(d["psnr_db"] >= 40 for d in summary["media_difference"]["whole"]), summary["media_difference"]
+    assert all(d["psnr_db"] >= 35 for d in summary["media_difference"]["whole"]), summary["media_difference"]
     assert summary["config"]["pipeline"] == "wan2_2" and summary["projection"] is None
     assert len(set(summary["runs"]["whole"]["media_sha256"])) == 1  # identical requests, identical media
 

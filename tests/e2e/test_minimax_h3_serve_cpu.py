@@ -36,7 +36,7 @@ pytestmark = [
 # The upstream patches' check filters this project's plugin out: then the adapter's own call must install the fix.
 _PLUGINS = os.environ.get("VLLM_PLUGINS")
 PLUGIN_HOOKS = serve_cpu.WORLD + 1 if _PLUGINS is None or "xpu_collective_memory" in _PLUGINS.split(",") else 0
-MIN_PSNR_DB, MAX_AUDIO_DIFF = 40.0, 1e-2  # decoded, fix on against off
+MIN_PSNR_DB, MIN_AUDIO_SNR_DB = 35.0, 10.0  # decoded, fix on against off (0.30.0's census: 42.6 dB for the video)
 PROMPTS = ("a red fox running through fresh snow", "waves breaking on a rocky shore", "a paper boat in the rain")
 
 
@@ -110,7 +110,7 @@ def test_media_are_the_releases_once_decoded_as_inductor_rounds_them(fix_on, fix
     for on, off in zip(fix_on["media"], fix_off["media"], strict=True):
         difference = serve_cpu.media_difference(on, off)
         print(f"[media] fix on against off: {difference}")
-        assert difference["psnr_db"] >= MIN_PSNR_DB and difference["audio_max_diff"] <= MAX_AUDIO_DIFF, difference
+        assert difference["psnr_db"] >= MIN_PSNR_DB and difference["audio_snr_db"] >= MIN_AUDIO_SNR_DB, difference
 
 
 def test_with_the_fix_off_the_plugin_hooks_nothing_and_every_worker_says_it_runs_the_release(fix_off):

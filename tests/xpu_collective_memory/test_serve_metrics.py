@@ -43,6 +43,7 @@ def test_every_output_of_a_request_carries_the_sample_beside_its_own_durations_a
 
 
 def test_the_server_takes_the_sample_out_before_the_response_and_sets_the_stages_series():
+    serve_metrics.holding(lambda: (1.0, 2**20))
     durations = {"x.diffuse": 2.0, **serve_metrics.sample(torch.device("cpu"))}
     figures = serve_metrics.take_sample(durations)
     assert durations == {"x.diffuse": 2.0} and serve_metrics.take_sample(None) == {}
