@@ -53,27 +53,34 @@ def sample(device: Any) -> dict[str, float]:
     }
 
 
+def _wrap_once(module: Any, cls_name: str, method: str, wrapping) -> bool:
+    """``cls_name.method`` of ``module`` replaced by ``wrapping(original)``, once; False where it is missing."""
+    cls = getattr(module, cls_name, None)
+    original = getattr(cls, method, None)
+    if not callable(original):
+        logger.warning("[XPU_COLLECTIVE_MEMORY] %s has no %s.%s: no memory figure on /metrics", module.__name__,
+                       cls_name, method)  # fmt: skip
+        return False
+    if not getattr(original, _MARK, False):
+        wrapper = functools.wraps(original)(wrapping(original))
+        setattr(wrapper, _MARK, True)
+        setattr(cls, method, wrapper)
+    return True
+
+
 def hook_runner(module: Any) -> bool:
     """Every request's outputs carry the worker's sample."""
-    runner = getattr(module, "DiffusionModelRunner", None)
-    original = getattr(runner, "_runner_output_from_outputs", None)
-    if not callable(original):
-        logger.warning("[XPU_COLLECTIVE_MEMORY] %s has no DiffusionModelRunner._runner_output_from_outputs: "
-                       "no memory figure on /metrics", RUNNER_MODULE)  # fmt: skip
-        return False
-    if getattr(original, _MARK, False):
-        return True
 
-    @functools.wraps(original)
-    def _runner_output_from_outputs(self, reqs, outputs):
-        figures = sample(self.device)
-        for output in outputs:
-            output.stage_durations = {**(output.stage_durations or {}), **figures}
-        return original(self, reqs, outputs)
+    def wrapping(original):
+        def _runner_output_from_outputs(self, reqs, outputs):
+            figures = sample(self.device)
+            for output in outputs:
+                output.stage_durations = {**(output.stage_durations or {}), **figures}
+            return original(self, reqs, outputs)
 
-    setattr(_runner_output_from_outputs, _MARK, True)
-    runner._runner_output_from_outputs = _runner_output_from_outputs
-    return True
+        return _runner_output_from_outputs
+
+    return _wrap_once(module, "DiffusionModelRunner", "_runner_output_from_outputs", wrapping)
 
 
 @functools.cache
@@ -121,23 +128,15 @@ def publish(model_name: str, stage: int, figures: dict[str, float]) -> None:
 
 def hook_server(module: Any) -> bool:
     """The API server sets the gauges from each diffusion stage's output, as it sets ``peak_memory_mb``."""
-    base = getattr(module, "OmniBase", None)
-    original = getattr(base, "_process_single_result", None)
-    if not callable(original):
-        logger.warning("[XPU_COLLECTIVE_MEMORY] %s has no OmniBase._process_single_result: no memory figure on "
-                       "/metrics", SERVER_MODULE)  # fmt: skip
-        return False
-    if getattr(original, _MARK, False):
-        return True
 
-    @functools.wraps(original)
-    def _process_single_result(self, result, stage_id, *args, **kwargs):
-        figures = take_sample(getattr(getattr(result, "engine_outputs", None), "stage_durations", None))
-        metrics = getattr(self, "prom_metrics", None)
-        if figures and getattr(metrics, "_log_stats", False):
-            publish(metrics._model_name, stage_id, figures)
-        return original(self, result, stage_id, *args, **kwargs)
+    def wrapping(original):
+        def _process_single_result(self, result, stage_id, *args, **kwargs):
+            figures = take_sample(getattr(getattr(result, "engine_outputs", None), "stage_durations", None))
+            metrics = getattr(self, "prom_metrics", None)
+            if figures and getattr(metrics, "_log_stats", False):
+                publish(metrics._model_name, stage_id, figures)
+            return original(self, result, stage_id, *args, **kwargs)
 
-    setattr(_process_single_result, _MARK, True)
-    base._process_single_result = _process_single_result
-    return True
+        return _process_single_result
+
+    return _wrap_once(module, "OmniBase", "_process_single_result", wrapping)
