@@ -451,6 +451,20 @@ def capped_disagreement(rank: int, world: int) -> dict[str, Any]:
     return {"equal": equal, "chunked_calls": staged.chunked_calls}
 
 
+def rising_sizes(rank: int, world: int) -> dict[str, Any]:
+    """Calls whose size rises a little each time, as a request's might: a block grows to at least twice what it held
+    (within the cap), so few of them make a new block."""
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    os.environ[CAP_ENV] = "1"
+    staged = pc.Collectives(persistent=True)
+    sizes = [int(16 * 1024 * 1.25**step) for step in range(12)]  # bytes: 16 KiB up to 186 KiB, below the cap
+    for numel in sizes:
+        staged.all_reduce(data(rank, (numel // 4,), torch.float32), None)
+    (block,) = staged.blocks()
+    return {"calls": len(sizes), "allocations": block.allocs, "resident_bytes": block.nbytes}
+
+
 class StandInStream:
     """Test-only: a device stream the test makes current, recording what the collectives order on it."""
 

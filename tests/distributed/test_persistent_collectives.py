@@ -215,6 +215,12 @@ def test_ranks_that_differ_in_grad_layout_or_a_free_block_run_the_same_pieces_an
         assert len(report["equal"]) == 3
 
 
+def test_a_block_grows_geometrically_so_sizes_rising_call_after_call_make_few_blocks_not_one_each():
+    for report in results_or_raise(run_ranks(contract_ranks.rising_sizes, 2, timeout_s=300), 2):
+        assert report["calls"] == 12 and report["allocations"] <= 6, report  # exact growth: one per call, 12
+        assert report["resident_bytes"] <= 2 * int(16 * 1024 * 1.25**11), report
+
+
 def test_a_block_used_on_another_stream_is_ordered_after_its_last_use_before_it_is_written():
     (report,) = results_or_raise(run_ranks(contract_ranks.streams, 1, timeout_s=120), 1)
     copies = ["copy on main", "copy on main"]
