@@ -416,9 +416,10 @@ def capped_fallback(rank: int, world: int) -> dict[str, Any]:
 
 
 def capped_disagreement(rank: int, world: int) -> dict[str, Any]:
-    """Above the cap, ranks that differ in what only each knows: rank 1's tensors require grad, rank 2's are gapped
-    (gloo reduces as many elements from the first, gaps included), rank 3 gets no block. Every rank still runs as many
-    pieces as its peers, so all finish with the plain bits."""
+    """Above the cap, ranks that differ in what only each knows: rank 1's tensors require grad, rank 2's have gaps
+    (staged through a row-major copy: the oracle is the plain collective on its elements, as a device backend takes
+    no tensor with gaps), rank 3 gets no block. Every rank still runs as many pieces as its peers, so all finish
+    with the plain bits."""
     from vllm_omni.distributed import collective_workspaces
     from vllm_omni.distributed import persistent_collectives as pc
 
@@ -436,16 +437,19 @@ def capped_disagreement(rank: int, world: int) -> dict[str, Any]:
         raise RuntimeError(f"injected: no memory for {nbytes} bytes")
 
     calls = {
-        "all_reduce_int": lambda c: c.all_reduce(own(data(rank, (MIB // 4 + 3,), torch.int64)), None),
-        "broadcast": lambda c: c.broadcast(own(data(rank, (MIB // 2 + 5,), torch.float32)), 0, None),
-        "broadcast_received_gapped": lambda c: c.broadcast(own(data(rank, (MIB // 2 + 5,), torch.float32)), 2, None),
+        "all_reduce_int": lambda c, make: c.all_reduce(make(data(rank, (MIB // 4 + 3,), torch.int64)), None),
+        "broadcast": lambda c, make: c.broadcast(make(data(rank, (MIB // 2 + 5,), torch.float32)), 0, None),
+        "broadcast_from_gapped": lambda c, make: c.broadcast(make(data(rank, (MIB // 2 + 5,), torch.float32)), 2, None),
     }
     real = collective_workspaces.allocate_bytes
     if rank == 3:
         collective_workspaces.allocate_bytes = failing
     staged, plain = pc.Collectives(persistent=True), pc.Collectives(persistent=False)
     try:
-        equal = {name: bits(call(staged).detach()) == bits(call(plain).detach()) for name, call in calls.items()}
+        equal = {
+            name: bits(call(staged, own).detach()) == bits(call(plain, lambda tensor: tensor).detach())
+            for name, call in calls.items()
+        }
     finally:
         collective_workspaces.allocate_bytes = real
     return {"equal": equal, "chunked_calls": staged.chunked_calls}

@@ -118,7 +118,11 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     return _done(async_op, group, output_tensor)
 
 
-all_gather_single = all_gather_into_tensor  # torch 2.13's name for it
+def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
+    """torch 2.13's name for ``all_gather_into_tensor``; off, torch's own under the name the caller used."""
+    if not staging():
+        return _dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+    return all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, async_op=False):
@@ -134,7 +138,11 @@ def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, asyn
     return _done(async_op, group, output)
 
 
-reduce_scatter_single = reduce_scatter_tensor
+def reduce_scatter_single(output, input, op=_dist.ReduceOp.SUM, group=None, async_op=False):
+    """torch 2.13's name for ``reduce_scatter_tensor``; off, torch's own under the name the caller used."""
+    if not staging():
+        return _dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    return reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
@@ -182,10 +190,10 @@ def _staged_batch(p2p_op_list):
 
 
 def _p2p(op, tensor, peer, group, tag, group_peer):
-    if peer is None or group_peer is not None or _dist.distributed_c10d._rank_not_in_group(group):
-        return None  # by rank within the group, from any source, or outside the group: torch's own
     if not staging() or not platform_collectives().staged:
         return None  # nothing to stage: torch's own call, not a batch (NCCL's first batch needs every rank)
+    if peer is None or group_peer is not None or _dist.distributed_c10d._rank_not_in_group(group):
+        return None  # by rank within the group, from any source, or outside the group: torch's own
     return batch_isend_irecv([_dist.P2POp(op, tensor, peer, group, tag)])[0]
 
 
@@ -217,14 +225,10 @@ def recv(tensor, src=None, group=None, tag=0, group_src=None):
 _TORCH_P2P = {isend: _dist.isend, irecv: _dist.irecv}
 
 
-class P2POp(_dist.P2POp):
-    """torch's, also taking this module's ``isend`` and ``irecv`` as its op: a module names them ``dist.isend``."""
-
-    def __new__(cls, op, tensor, *args, **kwargs):
-        return super().__new__(cls, _TORCH_P2P.get(op, op), tensor, *args, **kwargs)
-
-    def __init__(self, op, tensor, *args, **kwargs):
-        super().__init__(_TORCH_P2P.get(op, op), tensor, *args, **kwargs)
+def P2POp(op, tensor, *args, **kwargs) -> _dist.P2POp:  # noqa: N802 - torch's name, which modules call
+    """torch's own ``P2POp``, also taking this module's ``isend`` and ``irecv`` as its op: a module names them
+    ``dist.isend``. Compiled, Dynamo meets torch's class, as in the release."""
+    return _dist.P2POp(_TORCH_P2P.get(op, op), tensor, *args, **kwargs)
 
 
 def barrier(group=None, async_op=False, device_ids=None, timeout=None):

@@ -338,11 +338,15 @@ class Collectives:
         self.staged_bytes += source.nbytes
 
     def _chunked(self, name: str, group: Any, tensor: torch.Tensor, run: Callable, copy_in: bool, copy_out: bool):
-        """``run`` on consecutive pieces of ``tensor``'s memory, staged through a block of at most the cap. How many
-        pieces follows from the size and the cap alone, alike on every rank: a rank that cannot stage (a tensor
-        autograd records, no block) runs the same pieces on its own memory. The memory is what gloo hands its ring,
-        as many elements as the tensor has from its first: its span where it is dense, as gloo reads a gapped one."""
-        flat = tensor.detach().as_strided((tensor.numel(),), (1,))
+        """``run`` on consecutive pieces of ``tensor``'s elements, in memory order, staged through a block of at most
+        the cap. How many pieces follows from the size and the cap alone, alike on every rank: a rank that cannot
+        stage (a tensor autograd records, no block) runs the same pieces on its own memory, and a tensor with gaps on
+        a row-major copy written back (a device backend refuses such a tensor whole; nothing outside it is
+        touched)."""
+        own = tensor.detach()
+        if _layout(own) is None:
+            own = own.contiguous()
+        flat = own.as_strided((own.numel(),), (1,))  # dense: its storage span, in memory order
         step = block_cap() // flat.element_size()
         block = None
         if not tensor.requires_grad:
@@ -359,6 +363,8 @@ class Collectives:
         finally:
             if block is not None:
                 block.busy = False
+        if copy_out and own.data_ptr() != tensor.data_ptr():
+            _write(tensor, own)
         self.chunked_calls += flat.numel() > step
 
     def all_reduce(self, tensor: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -601,7 +607,8 @@ _control_groups: weakref.WeakSet = weakref.WeakSet()
 
 
 def register_coordinator(coordinator: Any) -> None:
-    switch_mode(), block_cap()  # a bad switch or cap stops start-up here, on every rank alike
+    switch_mode()  # a bad switch stops start-up here, on every rank alike, and a bad cap where the process stages
+    collectives_for(coordinator.device.type)
     _cpu_twins[coordinator.device_group] = _cpu_twins[coordinator.cpu_group] = coordinator.cpu_group
     if coordinator.cpu_group is not coordinator.device_group:
         _control_groups.add(coordinator.cpu_group)

@@ -211,4 +211,6 @@ def coordinator_broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Ten
         raise ValueError(f"src={src}: expected a rank of this group, src < {self.world_size}")
     if self.world_size == 1:
         return input_
+    if torch.compiler.is_compiling():
+        return broadcast(input_, self.ranks[src], self.device_group)
     return platform_collectives().broadcast(input_, self.ranks[src], self.device_group)
