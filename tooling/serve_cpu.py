@@ -258,12 +258,14 @@ def _decoded(media: bytes) -> tuple[Any, Any]:
         from PIL import Image
 
         return np.asarray(Image.open(io.BytesIO(media)).convert("RGB"))[None], np.zeros(0)
-    mp4 = media
-    with av.open(io.BytesIO(mp4)) as container:
+    with av.open(io.BytesIO(media)) as container:
         frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-    with av.open(io.BytesIO(mp4)) as container:
+        has_audio = bool(container.streams.audio)
+    if not has_audio:  # Wan2.2's videos
+        return frames, np.zeros(0)
+    with av.open(io.BytesIO(media)) as container:
         chunks = [f.to_ndarray().astype(np.float64).reshape(-1) for f in container.decode(audio=0)]
-    return frames, np.concatenate(chunks) if chunks else np.zeros(0)
+    return frames, np.concatenate(chunks)
 
 
 def media_difference(first: bytes, second: bytes) -> dict[str, float]:

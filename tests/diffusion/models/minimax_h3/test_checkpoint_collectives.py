@@ -40,6 +40,7 @@ def _decode_twice(rank: int, world: int, component: str) -> dict:
 
     os.environ.pop("VLLM_PLUGINS", None)
     os.environ[REUSE_ENV] = "1"
+    os.environ[SWITCH_ENV] = "1"  # a process that stages: the plugin scopes the checkpoint's code as it loads
     harness.join_vllm_omni_world(rank, world)
     torch_barrier = dist.barrier
     load_omni_general_plugins()
