@@ -23,7 +23,7 @@ def _requirements(name: str) -> list[str]:
 
 setup(
     name="vllm-omni-xpu-collective-memory",
-    version="0.12.3",
+    version="0.13.0",
     description=(
         "vLLM-Omni diffusion serving on Intel XPU without device memory growing every request: collectives' "
         "buffers that stay put (persistent blocks or one memory pool per worker), MiniMax-H3's VAE tile gather first"

@@ -58,7 +58,7 @@ def measure(rank: int, world: int, pairs: int, calls: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from vllm_omni.distributed import persistent_collectives as pc
-    from vllm_omni.distributed import traced_collectives as tc
+    from vllm_omni.distributed import request_collectives as rc
 
     torch.set_num_threads(1)
     # What coordinator_all_reduce reads of a GroupCoordinator; at least 2 ranks, so that one rank is not bypassed.
@@ -66,7 +66,7 @@ def measure(rank: int, world: int, pairs: int, calls: int) -> dict[str, Any]:
 
     def switched(value: str):
         def call(tensor):
-            tc.coordinator_all_reduce(coordinator, tensor)
+            rc.coordinator_all_reduce(coordinator, tensor)
 
         return value, call
 

@@ -89,15 +89,14 @@ SERIES = (
         ),
     ),
     Patch(
-        "staged collectives at the coordinator and the platform, eager and compiled",
+        "staged collectives at the coordinator and the platform, eager",
         (
             "vllm_omni/distributed/persistent_collectives.py",
-            "vllm_omni/distributed/traced_collectives.py",
+            "vllm_omni/distributed/request_collectives.py",
             *_under(
                 "tests/distributed",
                 "ranks.py",
                 "collective_ranks.py",
-                "contract_ranks.py",
                 "coordinator_ranks.py",
                 "test_persistent_collectives.py",
                 "test_group_coordinator.py",
@@ -105,25 +104,49 @@ SERIES = (
         ),
     ),
     Patch(
-        "every kind a diffusion module calls: managed_distributed and FSDP2's all-gather",
+        "the coordinator's staged collectives compiled whole, through registered ops",
         (
-            "vllm_omni/distributed/managed_distributed.py",
+            "vllm_omni/distributed/traced_collectives.py",
+            *_under("tests/distributed", "traced_ranks.py", "test_traced_collectives.py"),
+        ),
+        # It adds the compiled branch to the coordinator's methods: the coordinator's compiled tests.
+        retests=tuple(
+            f"tests/distributed/test_group_coordinator.py::test_{name}"
+            for name in (
+                "compiled_with_staging_off_the_graph_holds_torchs_functional_collectives_and_none_of_ours",
+                "compiled_with_staging_on_every_collective_reaches_the_backend_through_blocks_with_the_plain_bits",
+            )
+        ),
+    ),
+    Patch(
+        "FSDP2's parameter all-gather into persistent blocks",
+        (
             "vllm_omni/distributed/persistent_fsdp.py",
-            *_under(
-                "tests/distributed",
-                "managed_ranks.py",
-                "fsdp_ranks.py",
-                "order_ranks.py",
-                "pool_ranks.py",
-                "test_managed_distributed.py",
-                "test_persistent_fsdp.py",
-                "test_program_order.py",
-            ),
+            *_under("tests/distributed", "fsdp_ranks.py", "test_persistent_fsdp.py"),
+        ),
+    ),
+    Patch(
+        "the kinds a diffusion module calls beyond the coordinator's, staged",
+        (
+            "vllm_omni/distributed/module_collectives.py",
+            *_under("tests/distributed", "contract_ranks.py", "module_ranks.py", "test_module_collectives.py"),
         ),
     ),
     Patch(
         "the rule: every diffusion module's collectives through managed_distributed",
-        _under("tests/distributed", "sequence_parallel_ranks.py", "test_sequence_parallel.py"),
+        (
+            "vllm_omni/distributed/managed_distributed.py",
+            *_under(
+                "tests/distributed",
+                "managed_ranks.py",
+                "order_ranks.py",
+                "pool_ranks.py",
+                "sequence_parallel_ranks.py",
+                "test_managed_distributed.py",
+                "test_program_order.py",
+                "test_sequence_parallel.py",
+            ),
+        ),
         # It edits the coordinator's own calls again: the coordinator's eager tests, one start of the ranks.
         retests=tuple(
             f"tests/distributed/test_group_coordinator.py::test_{name}"

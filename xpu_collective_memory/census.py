@@ -25,12 +25,13 @@ from typing import Any
 import torch
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import persistent_collectives, traced_collectives
+from vllm_omni.distributed import persistent_collectives
 from vllm_omni.distributed.collective_workspaces import resolve_device
 
 from .ledger import CollectiveLedger, worker_pool
 from .memory import memory_record
 from .renamed import census_dir_variable, old_entry_point
+from .request_path import staged_stats
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
@@ -218,8 +219,7 @@ def _counting(forward: Callable, ledger: CollectiveLedger, device, directory: Pa
             # This worker's wall and process CPU seconds for the request, the census's own bookkeeping included.
             books["timing"].append({"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
             ledger.end_request()
-            collectives = traced_collectives.platform_collectives()
-            books["persistent_collectives"].append(collectives.stats() if collectives.staged else None)
+            books["persistent_collectives"].append(staged_stats())
             books["memory"].append(memory_record(device, pool=worker_pool()))
             books["compile"].append(compile_record(self))
             _write(directory, ledger, books)

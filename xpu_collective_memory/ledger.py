@@ -47,8 +47,10 @@ from vllm.logger import init_logger
 from vllm_omni.distributed import (
     collective_workspaces,
     managed_distributed,
+    module_collectives,
     persistent_collectives,
     persistent_fsdp,
+    request_collectives,
     request_pool,
     traced_collectives,
 )
@@ -87,6 +89,8 @@ _SKIP_FILES = (
     persistent_collectives.__file__,
     managed_distributed.__file__,
     traced_collectives.__file__,
+    request_collectives.__file__,
+    module_collectives.__file__,
     persistent_fsdp.__file__,
 )
 # Where each collective takes its group, by position (keyword "group" otherwise); a p2p batch's is its ops'.

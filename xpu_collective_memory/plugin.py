@@ -156,10 +156,11 @@ def _staging_here() -> bool:
 
 def _hook_staging(worker: type, original) -> None:
     from vllm_omni.distributed.persistent_collectives import unstaged
-    from vllm_omni.distributed.traced_collectives import platform_choice
+
+    from . import request_path
 
     plain_init = unstaged()(original)  # start-up and model load run plain collectives: they keep no block
-    serve_metrics.holding(lambda: (1.0, platform_choice().stats()["resident_bytes"]))
+    serve_metrics.holding(lambda: (1.0, request_path.staged_stats(loading_too=True)["resident_bytes"]))
     serve_metrics.hook_runner(importlib.import_module(serve_metrics.RUNNER_MODULE))
 
     @functools.wraps(original)

@@ -230,7 +230,7 @@ def verdicts(sites: list[Site], ruled: bool, coordinator_owned: bool) -> list[Ve
     for site in sites:
         if site.via == "coordinator":
             owned = coordinator_owned and site.op in COORDINATOR_OWNED
-            route = "persistent_collectives" if owned else ("its body" if bodies.get(site.op) else None)
+            route = "request_collectives" if owned else ("its body" if bodies.get(site.op) else None)
         else:
             route = direct[site]
         if site.key in REASONS:  # reviewed: plain at run time where routed, or never reached
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     tree = args.tree or diffusion_tree()
     coordinator = tree / COORDINATOR_MODULE
-    owned = not args.without_plugin or "persistent_collectives" in coordinator.read_text(encoding="utf-8")
+    owned = not args.without_plugin or "request_collectives" in coordinator.read_text(encoding="utf-8")
     found = verdicts(list(scan(tree)), ruled=not args.without_plugin, coordinator_owned=owned)
     failing = [v for v in found if v.status in FAILING]
     if args.json:

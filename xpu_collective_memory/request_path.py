@@ -25,20 +25,42 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from vllm.logger import init_logger
 
-from vllm_omni.distributed import managed_distributed, persistent_collectives, persistent_fsdp, traced_collectives
+from vllm_omni.distributed import (
+    managed_distributed,
+    module_collectives,
+    persistent_collectives,
+    persistent_fsdp,
+    request_collectives,
+    traced_collectives,
+)
+from vllm_omni.platforms.interface import OmniPlatform
 
 logger = init_logger(f"vllm_omni.plugins.{__name__}")
 
 COORDINATOR_MODULE = "vllm_omni.diffusion.distributed.group_coordinator"
 PLATFORM_MODULE = "vllm_omni.platforms.interface"
 ROUTED_PACKAGE = "vllm_omni.diffusion."
+
+
+def _eager_or_compiled(name: str):
+    """The coordinator's method ``name`` as the series' patches 3 and 4 make it where the process stages: eager
+    through ``request_collectives``, compiled through ``traced_collectives``."""
+    eager, compiled = getattr(request_collectives, name), getattr(traced_collectives, name)
+
+    @functools.wraps(eager)
+    def method(*args, **kwargs):
+        return (compiled if torch.compiler.is_compiling() else eager)(*args, **kwargs)
+
+    return method
+
+
 _METHODS = {
-    "all_reduce": (traced_collectives.coordinator_all_reduce, ["self", "input_", "op"]),
+    "all_reduce": (_eager_or_compiled("coordinator_all_reduce"), ["self", "input_", "op"]),
     "all_gather": (
-        traced_collectives.coordinator_all_gather,
+        _eager_or_compiled("coordinator_all_gather"),
         ["self", "input_", "dim", "separate_tensors", "group"],
     ),
-    "broadcast": (traced_collectives.coordinator_broadcast, ["self", "input_", "src"]),
+    "broadcast": (_eager_or_compiled("coordinator_broadcast"), ["self", "input_", "src"]),
 }
 COORDINATOR_OWNED = frozenset(_METHODS)  # the coordinator's methods replaced by the persistent ones
 _MARK = "_persistent_collectives_hook"
@@ -157,3 +179,15 @@ def hook_for(name: str):
 def _coordinator_and_module(module: ModuleType) -> bool:
     rebind_module(module)  # its tensor-dict and point-to-point methods call torch.distributed
     return hook_coordinator(module)
+
+
+def staged_stats(loading_too: bool = False) -> dict[str, int] | None:
+    """The figures of this process's staged collectives, the coordinator's and the modules' blocks together; None
+    where it does not stage (``loading_too``: also while its worker loads), as where the platform was left released."""
+    if "collectives" not in vars(OmniPlatform):
+        return None
+    choice = request_collectives.platform_choice() if loading_too else request_collectives.platform_collectives()
+    if not choice.staged:
+        return None
+    modules = module_collectives._PERSISTENT.stats()
+    return {key: value + (modules[key] if key != "block_cap_bytes" else 0) for key, value in choice.stats().items()}

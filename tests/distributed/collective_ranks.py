@@ -1,13 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""What each gloo rank runs for the persistent-collectives tests: every kind, plain (the oracle) and staged."""
+"""What the gloo ranks of the persistent-collectives tests share: a recorder of what the backend is handed, the
+switch, and data that differs per rank."""
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import time
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +14,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64)
 WATCHED = (
     "all_reduce",
     "all_gather",
@@ -163,153 +161,112 @@ def close_floats(first: list[bytes], second: list[bytes], rtol: float = 1e-5) ->
     return len(first) == len(second) and all(torch.allclose(a, b, rtol=rtol, atol=rtol) for a, b in pairs)
 
 
-def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Callable[[Any], list[torch.Tensor]]]:
-    """Each kind as ``run(collectives) -> tensors to compare`` (results, then inputs that must stay untouched)."""
-    group = dist.group.WORLD
-    splits = [1 + (rank + peer) % 3 for peer in range(world)]  # what this rank sends to each peer
-    received = [1 + (peer + rank) % 3 for peer in range(world)]
+CAP_ENV = "VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB"
+MIB = 1 << 20
 
-    def all_reduce(op):
-        def run(collectives):
-            tensor = data(rank, (5, 7), dtype, salt).t()  # a transposed view: the caller's layout is kept
-            return [collectives.all_reduce(tensor, group, op)]
 
-        return run
+def capped_blocks_two_ranks(rank: int, world: int) -> dict[str, Any]:
+    """On two ranks a floating-point sum is the same in any order: it goes in chunks, with the plain bits."""
+    from vllm_omni.distributed import persistent_collectives as pc
 
-    def all_gather_into_tensor(collectives):
-        tensor = data(rank, (3, 4), dtype, salt)
-        output = torch.empty(world * 3, 4, dtype=dtype)
-        return [collectives.all_gather_into_tensor(output, tensor, group), tensor]
-
-    def broadcast(collectives):
-        tensor = data(rank, (6, 2), dtype, salt)
-        return [collectives.broadcast(tensor, world - 1, group)]
-
-    def all_to_all_even(collectives):
-        tensor = data(rank, (world * 2, 3), dtype, salt)
-        output = torch.empty_like(tensor)
-        return [collectives.all_to_all_single(output, tensor, group), tensor]
-
-    def all_to_all_uneven(collectives):
-        tensor = data(rank, (sum(splits), 2), dtype, salt)
-        output = torch.empty(sum(received), 2, dtype=dtype)
-        return [collectives.all_to_all_single(output, tensor, group, received, splits), tensor]
-
-    def ring_batch(collectives):
-        send = data(rank, (4, 3), dtype, salt)
-        recv = torch.full((4, 3), 7, dtype=dtype)
-        ops = [
-            dist.P2POp(dist.isend, send, (rank + 1) % world, group),
-            dist.P2POp(dist.irecv, recv, (rank - 1) % world, group),
-        ]
-        for work in collectives.batch_isend_irecv(ops):
-            work.wait()
-        return [recv, send]
-
-    def list_gather(collectives):
-        # a list of outputs, as managed_distributed's all_gather hands it on (Ulysses calls that one)
-        tensor = data(rank, (2, 5), dtype, salt)
-        outputs = [torch.empty(2, 5, dtype=dtype) for _ in range(world)]
-        collectives.all_gather_into_tensor(outputs, tensor, group)
-        return [*outputs, tensor]
-
-    def reduce_scatter(collectives):
-        tensor = data(rank, (world * 3, 2), dtype, salt)
-        output = torch.empty(3, 2, dtype=dtype)
-        return [collectives.reduce_scatter_tensor(output, tensor, group), tensor]
-
+    os.environ[CAP_ENV] = "1"
+    plain, staged = pc.Collectives(persistent=False), pc.Collectives(persistent=True)
+    tensor = data(rank, (3 * MIB // 4 + 3,), torch.bfloat16)
+    got = staged.all_reduce(tensor.clone(), None)
     return {
-        "all_reduce_sum": all_reduce(dist.ReduceOp.SUM),
-        "all_reduce_max": all_reduce(dist.ReduceOp.MAX),
-        "all_gather_into_tensor": all_gather_into_tensor,
-        "broadcast": broadcast,
-        "all_to_all_even": all_to_all_even,
-        "all_to_all_uneven": all_to_all_uneven,
-        "ring_batch": ring_batch,
-        "list_gather": list_gather,
-        "reduce_scatter": reduce_scatter,
+        "equal": bits(got) == bits(plain.all_reduce(tensor.clone(), None)),
+        "chunked_calls": staged.chunked_calls,
+        "resident_bytes": staged.stats()["resident_bytes"],
     }
 
 
-def _log_lines(logger_name: str) -> list[str]:
-    lines: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logging.getLogger(logger_name).addHandler(handler)
-    return lines
-
-
-def checks(rank: int, world: int) -> dict[str, Any]:
-    """Bits against the plain oracle; what the backend is handed; aliasing; barrier; fallbacks on one rank."""
-    from vllm_omni.distributed import persistent_collectives as pc
-
-    torch.set_num_threads(1)
-    plain, staged = pc.Collectives(persistent=False), pc.Collectives(persistent=True)
-    report: dict[str, Any] = {"equal": {}, "aliases": []}
-    recorder = BackendRecorder()
-    with recorder:
-        for salt in range(3):  # three "requests": fresh caller tensors each time, blocks from the first on
-            for dtype in DTYPES:
-                expected = {name: run(plain) for name, run in kinds(rank, world, dtype, salt).items()}
-                for name, run in kinds(rank, world, dtype, salt).items():
-                    got = run(staged)
-                    key = f"{name}/{dtype}"
-                    report["equal"][key] = report["equal"].get(key, True) and [bits(t) for t in got] == [
-                        bits(t) for t in expected[name]
-                    ]
-                    report["aliases"] += [key for t in got if is_persistent(t)]
-            recorder.end_request()
-    # The plain half of each request hands the backend caller tensors; the staged half only blocks. Count both.
-    report["requests"] = recorder.summary()
-    report["stats"] = staged.stats()
-
-    # Staged only, three requests: the backend sees the blocks of request 1 again and nothing else.
-    staged_only = BackendRecorder()
-    with staged_only:
-        for salt in range(3):
-            for run in kinds(rank, world, torch.float32, salt).values():
-                run(staged)
-            staged.barrier(None, torch.device("cpu"))
-            staged_only.end_request()
-    report["staged_only"] = staged_only.summary()
-    report["allocations_after_request_1"] = staged.stats()["block_allocations"] - report["stats"]["block_allocations"]
-
-    # A barrier holds every rank until the last arrives.
-    dist.barrier()
-    start = time.monotonic()
-    if rank == 0:
-        time.sleep(0.5)
-    staged.barrier(None, torch.device("cpu"))
-    report["barrier_waited_s"] = time.monotonic() - start
-    report["fallback"] = fallback_on_rank_one(rank, world)
-    return report
-
-
-def fallback_on_rank_one(rank: int, world: int) -> dict[str, Any]:
-    """Rank 1's allocator fails: it runs the plain collectives on its own tensors, its peers stage, none hangs."""
+def capped_disagreement(rank: int, world: int) -> dict[str, Any]:
+    """Above the cap, ranks that differ in what only each knows: rank 1's tensors require grad, rank 2's have gaps
+    (staged through a row-major copy: the oracle is the plain collective on its elements, as a device backend takes
+    no tensor with gaps), rank 3 gets no block. Every rank still runs as many pieces as its peers, so all finish
+    with the plain bits."""
     from vllm_omni.distributed import collective_workspaces
     from vllm_omni.distributed import persistent_collectives as pc
 
-    warnings = _log_lines(pc.logger.name)
-    staged = pc.Collectives(persistent=True)
-    real = collective_workspaces.allocate_bytes
+    os.environ[CAP_ENV] = "1"  # read once per process: these ranks run this check alone
+
+    def own(tensor: torch.Tensor) -> torch.Tensor:
+        if rank == 1:
+            return tensor.requires_grad_(True) if tensor.is_floating_point() else tensor
+        if rank == 2:  # every other element of a tensor twice the size
+            gapped = torch.zeros(2 * tensor.numel(), dtype=tensor.dtype)[::2]
+            return gapped.copy_(tensor)
+        return tensor
 
     def failing(nbytes, device, group=None):
         raise RuntimeError(f"injected: no memory for {nbytes} bytes")
 
-    if rank == 1:
+    calls = {
+        "all_reduce_int": lambda c, make: c.all_reduce(make(data(rank, (MIB // 4 + 3,), torch.int64)), None),
+        "broadcast": lambda c, make: c.broadcast(make(data(rank, (MIB // 2 + 5,), torch.float32)), 0, None),
+        "broadcast_from_gapped": lambda c, make: c.broadcast(make(data(rank, (MIB // 2 + 5,), torch.float32)), 2, None),
+    }
+    real = collective_workspaces.allocate_bytes
+    if rank == 3:
         collective_workspaces.allocate_bytes = failing
+    staged, plain = pc.Collectives(persistent=True), pc.Collectives(persistent=False)
     try:
-        results = [run(staged) for run in kinds(rank, world, torch.float32, 7).values()]
-        staged.barrier(None, torch.device("cpu"))
+        equal = {
+            name: bits(call(staged, own).detach()) == bits(call(plain, lambda tensor: tensor).detach())
+            for name, call in calls.items()
+        }
     finally:
         collective_workspaces.allocate_bytes = real
-    expected = [run(pc.Collectives(persistent=False)) for run in kinds(rank, world, torch.float32, 7).values()]
-    return {
-        "equal": [[bits(t) for t in got] for got in results] == [[bits(t) for t in want] for want in expected],
-        "fallbacks": staged.fallbacks,
-        "warnings": warnings,
-    }
+    return {"equal": equal, "chunked_calls": staged.chunked_calls}
+
+
+def rising_sizes(rank: int, world: int) -> dict[str, Any]:
+    """Calls whose size rises a little each time, as a request's might: a block grows to at least twice what it held
+    (within the cap), so few of them make a new block."""
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    os.environ[CAP_ENV] = "1"
+    staged = pc.Collectives(persistent=True)
+    sizes = [int(16 * 1024 * 1.25**step) for step in range(12)]  # bytes: 16 KiB up to 186 KiB, below the cap
+    for numel in sizes:
+        staged.all_reduce(data(rank, (numel // 4,), torch.float32), None)
+    (block,) = staged.blocks()
+    return {"calls": len(sizes), "allocations": block.allocs, "resident_bytes": block.nbytes}
+
+
+class StandInStream:
+    """Test-only: a device stream the test makes current, recording what the collectives order on it."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: StandInStream) -> None:
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+def streams(rank: int, world: int) -> dict[str, Any]:
+    """The device branch on CPU ranks: a stand-in stream API says which stream is current; a use of a block on
+    another stream than its last must be ordered after that one before anything is written to the block."""
+    from vllm_omni.distributed import persistent_collectives as pc
+
+    log: list[str] = []
+    side, main = StandInStream("side", log), StandInStream("main", log)
+    current = [main]
+    pc.current_stream = lambda device: current[0]
+    real_write = pc._write
+
+    def logged_write(destination, source):
+        log.append(f"copy on {current[0].name}")
+        real_write(destination, source)
+
+    pc._write = logged_write
+    staged = pc.Collectives(persistent=True)
+    plan = ["main", "main", "side", "side", "main"]
+    for salt, name in enumerate(plan):
+        current[0] = side if name == "side" else main
+        log.append(f"call on {name}")
+        staged.all_reduce(data(rank, (16,), torch.float32, salt), None)
+    return {"log": log, "blocks": len(staged.blocks())}
 
 
 def busy_block(rank: int, world: int) -> dict[str, Any]:

@@ -31,9 +31,9 @@ def _ring_ops(rank: int, world: int, send: torch.Tensor, recv: torch.Tensor, gro
 
 def _batches_beside_plain(run, requests: int) -> dict[str, Any]:
     """``run`` with torch's batches, then ``requests`` times staged: whether each equals plain, and the pool's cost."""
-    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
 
-    staged = pc.Collectives(persistent=True)
+    staged = ModuleCollectives(persistent=True)
     plain, _ = run(dist.batch_isend_irecv)
     got = [run(staged.batch_isend_irecv) for _ in range(requests)]
     return {
@@ -64,9 +64,9 @@ def batches_in_flight(rank: int, world: int) -> dict[str, Any]:
 def abandoned_batches(rank: int, world: int) -> dict[str, Any]:
     """Batches nobody waits for yet keep their blocks and the pool grows past them: later batches never wait on one
     (its match may come only after them). Waited at last, each lands the plain bits; later batches reuse the pool."""
-    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
 
-    staged = pc.Collectives(persistent=True)
+    staged = ModuleCollectives(persistent=True)
     dropped = [(data(rank, (4, 3), torch.float32, salt), torch.zeros(4, 3)) for salt in range(9)]
     works = [staged.batch_isend_irecv(_ring_ops(rank, world, send, recv)) for send, recv in dropped]
     posted = len(staged.blocks())
@@ -131,7 +131,7 @@ def _bits_list(result: torch.Tensor | list[torch.Tensor]) -> list[bytes]:
 def error_paths(rank: int, world: int) -> dict[str, Any]:
     """Calls plain gloo refuses, staged beside it: the same error on every rank, and then the call of that kind
     still lands in the block the one before the error used: no fallback, no new allocation, the plain bits."""
-    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
 
     group, small, chunked = dist.group.WORLD, 5, MIB // 8 + 3  # float32 per rank: above a 1 MiB cap once gathered
 
@@ -168,9 +168,9 @@ def error_paths(rank: int, world: int) -> dict[str, Any]:
         "reduce_scatter_short": (scatter(small), scatter(small - 1)),
         "broadcast_bad_src": (broadcast(0), broadcast(world)),
     }
-    plain, report = pc.Collectives(persistent=False), {}
+    plain, report = ModuleCollectives(persistent=False), {}
     for name, (good, bad) in cases.items():
-        staged = pc.Collectives(persistent=True)
+        staged = ModuleCollectives(persistent=True)
         good(staged)
         before = ([b.data_ptr for b in staged.blocks()], staged.stats()["block_allocations"])
         outcomes = (_outcome(bad, plain), _outcome(bad, staged))
@@ -221,9 +221,9 @@ def _bits_of(run: Callable, collectives: Any, out: Callable, inference: bool) ->
 def inference_mode_blocks(rank: int, world: int) -> dict[str, Any]:
     """Each kind staged inside ``torch.inference_mode()``, then outside it, then inside again, beside plain: blocks
     first used in one mode are written in the other. Two dtypes, as a list gather of float16 failed alike."""
-    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
 
-    plain, staged, report = pc.Collectives(persistent=False), pc.Collectives(persistent=True), {}
+    plain, staged, report = ModuleCollectives(persistent=False), ModuleCollectives(persistent=True), {}
     for dtype in (torch.float32, torch.float16):
         out = functools.partial(torch.zeros, dtype=dtype)
         for salt, inference in enumerate((True, False, True)):
@@ -244,7 +244,7 @@ def grad_outputs(rank: int, world: int) -> dict[str, Any]:
     """Outputs autograd guards (a leaf that requires grad, a view of one), staged beside plain: each kind accepts
     or refuses them as plain gloo does, with its bits where it accepts. Each call gets a group of its own: gloo
     raises some refusals again at the group's next call, and a group that refused once is never used again."""
-    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
 
     def view_of_leaf(shape):
         return torch.zeros((2, *shape), requires_grad=True)[0]
@@ -253,7 +253,7 @@ def grad_outputs(rank: int, world: int) -> dict[str, Any]:
     for how, out in (("leaf", functools.partial(torch.zeros, requires_grad=True)), ("view_of_leaf", view_of_leaf)):
         for name in _every_kind(rank, world, torch.float32, 0):
             results = []
-            for collectives in (pc.Collectives(persistent=False), pc.Collectives(persistent=True)):
+            for collectives in (ModuleCollectives(persistent=False), ModuleCollectives(persistent=True)):
                 run = _every_kind(rank, world, torch.float32, 0, dist.new_group(list(range(world))))[name]
                 try:
                     results.append(_bits_of(run, collectives, out, False))
@@ -266,7 +266,7 @@ def grad_outputs(rank: int, world: int) -> dict[str, Any]:
 
 def batch_work(rank: int, world: int) -> dict[str, Any]:
     """What a caller of torch's batch may ask of its work, asked of the staged batch's and of plain gloo's."""
-    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
 
     def ask(batch_isend_irecv, how: str) -> dict[str, Any]:
         send, recv = data(rank, (5, 2), torch.float32), torch.zeros(5, 2)
@@ -285,7 +285,7 @@ def batch_work(rank: int, world: int) -> dict[str, Any]:
             "exception": [work.exception() for work in works if work.exception() is not None],
         }
 
-    staged = pc.Collectives(persistent=True)
+    staged = ModuleCollectives(persistent=True)
     report = {}
     for how in ("wait", "future"):
         report[how] = {"plain": ask(dist.batch_isend_irecv, how), "staged": ask(staged.batch_isend_irecv, how)}
@@ -295,11 +295,11 @@ def batch_work(rank: int, world: int) -> dict[str, Any]:
 
 def non_member(rank: int, world: int) -> dict[str, Any]:
     """A collective on a group this rank is not in: torch warns and returns, the tensors untouched."""
-    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
 
     pair = dist.new_group([0, 1])
     report: dict[str, Any] = {}
-    for name, collectives in (("plain", pc.Collectives(persistent=False)), ("staged", pc.Collectives(True))):
+    for name, collectives in (("plain", ModuleCollectives(persistent=False)), ("staged", ModuleCollectives(True))):
         tensors = [data(rank, (2, 4), torch.float32, salt) for salt in range(4)]
         kept = [bits(t) for t in tensors]
         outcome = "ok"
@@ -318,7 +318,7 @@ def non_member(rank: int, world: int) -> dict[str, Any]:
 
 def capped_blocks(rank: int, world: int) -> dict[str, Any]:
     """Calls of several MiB through blocks capped at 1 MiB, each kind beside the plain collective."""
-    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
 
     os.environ[CAP_ENV] = "1"
     group = dist.group.WORLD
@@ -349,7 +349,7 @@ def capped_blocks(rank: int, world: int) -> dict[str, Any]:
             ),
         }
 
-    plain, staged = pc.Collectives(persistent=False), pc.Collectives(persistent=True)
+    plain, staged = ModuleCollectives(persistent=False), ModuleCollectives(persistent=True)
     report: dict[str, Any] = {"equal": {}}
     for salt in range(2):
         for name, run in kinds(salt).items():
@@ -369,25 +369,10 @@ def capped_blocks(rank: int, world: int) -> dict[str, Any]:
     return report
 
 
-def capped_blocks_two_ranks(rank: int, world: int) -> dict[str, Any]:
-    """On two ranks a floating-point sum is the same in any order: it goes in chunks, with the plain bits."""
-    from vllm_omni.distributed import persistent_collectives as pc
-
-    os.environ[CAP_ENV] = "1"
-    plain, staged = pc.Collectives(persistent=False), pc.Collectives(persistent=True)
-    tensor = data(rank, (3 * MIB // 4 + 3,), torch.bfloat16)
-    got = staged.all_reduce(tensor.clone(), None)
-    return {
-        "equal": bits(got) == bits(plain.all_reduce(tensor.clone(), None)),
-        "chunked_calls": staged.chunked_calls,
-        "resident_bytes": staged.stats()["resident_bytes"],
-    }
-
-
 def capped_fallback(rank: int, world: int) -> dict[str, Any]:
     """Rank 1 gets no block: it runs the same chunks on its own tensors, so its peers' chunked calls still match."""
     from vllm_omni.distributed import collective_workspaces
-    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
 
     os.environ[CAP_ENV] = "1"
 
@@ -397,7 +382,7 @@ def capped_fallback(rank: int, world: int) -> dict[str, Any]:
     real = collective_workspaces.allocate_bytes
     if rank == 1:
         collective_workspaces.allocate_bytes = failing
-    staged, plain = pc.Collectives(persistent=True), pc.Collectives(persistent=False)
+    staged, plain = ModuleCollectives(persistent=True), ModuleCollectives(persistent=False)
     calls = {
         "broadcast": lambda c: c.broadcast(data(rank, (MIB // 2 + 1,), torch.float32), 0, None),
         "all_gather": lambda c: c.all_gather_into_tensor(
@@ -415,100 +400,11 @@ def capped_fallback(rank: int, world: int) -> dict[str, Any]:
     return {"equal": equal, "fallbacks": staged.fallbacks}
 
 
-def capped_disagreement(rank: int, world: int) -> dict[str, Any]:
-    """Above the cap, ranks that differ in what only each knows: rank 1's tensors require grad, rank 2's have gaps
-    (staged through a row-major copy: the oracle is the plain collective on its elements, as a device backend takes
-    no tensor with gaps), rank 3 gets no block. Every rank still runs as many pieces as its peers, so all finish
-    with the plain bits."""
-    from vllm_omni.distributed import collective_workspaces
-    from vllm_omni.distributed import persistent_collectives as pc
-
-    os.environ[CAP_ENV] = "1"
-
-    def own(tensor: torch.Tensor) -> torch.Tensor:
-        if rank == 1:
-            return tensor.requires_grad_(True) if tensor.is_floating_point() else tensor
-        if rank == 2:  # every other element of a tensor twice the size
-            gapped = torch.zeros(2 * tensor.numel(), dtype=tensor.dtype)[::2]
-            return gapped.copy_(tensor)
-        return tensor
-
-    def failing(nbytes, device, group=None):
-        raise RuntimeError(f"injected: no memory for {nbytes} bytes")
-
-    calls = {
-        "all_reduce_int": lambda c, make: c.all_reduce(make(data(rank, (MIB // 4 + 3,), torch.int64)), None),
-        "broadcast": lambda c, make: c.broadcast(make(data(rank, (MIB // 2 + 5,), torch.float32)), 0, None),
-        "broadcast_from_gapped": lambda c, make: c.broadcast(make(data(rank, (MIB // 2 + 5,), torch.float32)), 2, None),
-    }
-    real = collective_workspaces.allocate_bytes
-    if rank == 3:
-        collective_workspaces.allocate_bytes = failing
-    staged, plain = pc.Collectives(persistent=True), pc.Collectives(persistent=False)
-    try:
-        equal = {
-            name: bits(call(staged, own).detach()) == bits(call(plain, lambda tensor: tensor).detach())
-            for name, call in calls.items()
-        }
-    finally:
-        collective_workspaces.allocate_bytes = real
-    return {"equal": equal, "chunked_calls": staged.chunked_calls}
-
-
-def rising_sizes(rank: int, world: int) -> dict[str, Any]:
-    """Calls whose size rises a little each time, as a request's might: a block grows to at least twice what it held
-    (within the cap), so few of them make a new block."""
-    from vllm_omni.distributed import persistent_collectives as pc
-
-    os.environ[CAP_ENV] = "1"
-    staged = pc.Collectives(persistent=True)
-    sizes = [int(16 * 1024 * 1.25**step) for step in range(12)]  # bytes: 16 KiB up to 186 KiB, below the cap
-    for numel in sizes:
-        staged.all_reduce(data(rank, (numel // 4,), torch.float32), None)
-    (block,) = staged.blocks()
-    return {"calls": len(sizes), "allocations": block.allocs, "resident_bytes": block.nbytes}
-
-
-class StandInStream:
-    """Test-only: a device stream the test makes current, recording what the collectives order on it."""
-
-    def __init__(self, name: str, log: list) -> None:
-        self.name, self.log = name, log
-
-    def wait_stream(self, other: StandInStream) -> None:
-        self.log.append(f"{self.name} waits for {other.name}")
-
-
-def streams(rank: int, world: int) -> dict[str, Any]:
-    """The device branch on CPU ranks: a stand-in stream API says which stream is current; a use of a block on
-    another stream than its last must be ordered after that one before anything is written to the block."""
-    from vllm_omni.distributed import persistent_collectives as pc
-
-    log: list[str] = []
-    side, main = StandInStream("side", log), StandInStream("main", log)
-    current = [main]
-    pc.current_stream = lambda device: current[0]
-    real_write = pc._write
-
-    def logged_write(destination, source):
-        log.append(f"copy on {current[0].name}")
-        real_write(destination, source)
-
-    pc._write = logged_write
-    staged = pc.Collectives(persistent=True)
-    plan = ["main", "main", "side", "side", "main"]
-    for salt, name in enumerate(plan):
-        current[0] = side if name == "side" else main
-        log.append(f"call on {name}")
-        staged.all_reduce(data(rank, (16,), torch.float32, salt), None)
-    return {"log": log, "blocks": len(staged.blocks())}
-
-
 def four_rank_checks(rank: int, world: int) -> dict[str, Any]:
     """The four-rank checks in one start of the ranks (each start costs seconds of imports), the cap set first: it
     is read once per process. Batches left in flight come last."""
     os.environ[CAP_ENV] = "1"
-    checks = (non_member, capped_blocks, capped_fallback, capped_disagreement, *DEFECTS, abandoned_batches)
+    checks = (non_member, capped_blocks, capped_fallback, *DEFECTS, abandoned_batches)
     return {check.__name__: check(rank, world) for check in checks}
 
 

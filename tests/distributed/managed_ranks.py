@@ -85,7 +85,7 @@ def _outcome(call: Any) -> Any:
 def edge_cases(d: Any, rank: int, world: int, pair: Any) -> dict[str, Any]:
     """Calls staging hands to torch's own or must answer as it does: async futures, a group without this rank,
     unlike dtypes, a compiled all-to-all with only input splits."""
-    from vllm_omni.distributed.persistent_collectives import _StagedBatch
+    from vllm_omni.distributed.module_collectives import _StagedBatch
 
     x = data(rank, (2, 4), torch.float32, salt=9)
     reduced = x.clone()

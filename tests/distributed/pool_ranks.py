@@ -48,7 +48,7 @@ def kinds(d, rank: int, world: int, source: Source) -> dict[str, torch.Tensor]:
 
 def checks(rank: int, world: int) -> dict:
     from tests.distributed import mem_pool_stand_in as mem_pool
-    from vllm_omni.distributed import managed_distributed, request_pool, traced_collectives
+    from vllm_omni.distributed import managed_distributed, request_collectives, request_pool
 
     os.environ["VLLM_OMNI_PERSISTENT_COLLECTIVES_MAX_BLOCK_MIB"] = "1"
     before: dict[str, torch.Tensor] = {}
@@ -69,7 +69,7 @@ def checks(rank: int, world: int) -> dict:
         recorder = BackendRecorder()
         with recorder, request_pool.use_request_pool(pool if in_request else None):
             results = kinds(managed_distributed, rank, world, mine)
-        collectives = traced_collectives.platform_collectives()
+        collectives = request_collectives.platform_collectives()
         return {
             "equal": all(torch.equal(results[name], oracle[name]) for name in oracle),
             "calls": [name for name, _ in recorder.requests[0]],

@@ -141,6 +141,22 @@ def _torch_distributed_names() -> dict[str, int]:
     return {f"{ns.__name__}.{name}": id(getattr(ns, name)) for ns in (dist, c10d) for name in dir(ns)}
 
 
+def _routed(coordinator: type) -> bool:
+    """Whether the coordinator's methods are the staged ones the plugin installs."""
+    from vllm_omni.distributed import request_collectives as rc
+
+    return getattr(coordinator.all_reduce, "__wrapped__", None) is rc.coordinator_all_reduce
+
+
+def _staging_now() -> bool:
+    """Whether collectives stage here now: the platform's choice where the plugin gave the platform one (a worker
+    that stages), else torch's own."""
+    from vllm_omni.distributed import request_collectives as rc
+    from vllm_omni.platforms.interface import OmniPlatform
+
+    return "collectives" in vars(OmniPlatform) and rc.platform_collectives().staged
+
+
 def _load_plugins_in_a_worker(rank: int, world: int, value: str, env: dict[str, str] | None = None) -> dict:
     """A diffusion worker's order: its module is imported, then the plugins load, then ``init_device`` runs."""
     import importlib
@@ -153,14 +169,14 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str, env: dict[str, 
     from vllm_omni.diffusion.worker import diffusion_worker
     from vllm_omni.distributed import managed_distributed
     from vllm_omni.distributed import persistent_collectives as pc
-    from vllm_omni.distributed import traced_collectives as tc
+    from vllm_omni.distributed import request_collectives as rc
     from vllm_omni.platforms.interface import OmniPlatform
     from vllm_omni.plugins import load_omni_general_plugins
 
     before = _torch_distributed_names()
     # Stand-ins for the device and process-group set-up (the gloo group is already up in this rank) and the load.
-    diffusion_worker.DiffusionWorker.init_device = lambda self: ("groups up", tc.platform_collectives().staged)
-    diffusion_worker.DiffusionWorker.load_model = lambda self, **kwargs: tc.platform_collectives().staged
+    diffusion_worker.DiffusionWorker.init_device = lambda self: ("groups up", _staging_now())
+    diffusion_worker.DiffusionWorker.load_model = lambda self, **kwargs: _staging_now()
     worker_before, coordinator_before = dict(vars(diffusion_worker.DiffusionWorker)), dict(vars(GroupCoordinator))
     platform_before = dict(vars(OmniPlatform))
     os.environ.pop("VLLM_PLUGINS", None)
@@ -169,7 +185,7 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str, env: dict[str, 
         load_omni_general_plugins()
     except ValueError as error:
         return {"error": str(error)}
-    routed_before = GroupCoordinator.all_reduce is tc.coordinator_all_reduce
+    routed_before = _routed(GroupCoordinator)
     returned = diffusion_worker.DiffusionWorker.init_device(object())
     modules = [importlib.import_module(name) for name in _REQUEST_PATH]  # loaded after the hook: hooked on import
     from vllm_omni.diffusion.distributed import group_coordinator, hsdp  # imported before the hook: hooked then
@@ -178,8 +194,8 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str, env: dict[str, 
 
     return {
         "routed_before_init_device": routed_before,
-        "routed": GroupCoordinator.all_reduce is tc.coordinator_all_reduce,
-        "staged": tc.platform_choice().staged,
+        "routed": _routed(GroupCoordinator),
+        "staged": "collectives" in vars(OmniPlatform) and rc.platform_choice().staged,
         "modules_managed": [module.dist is managed_distributed for module in modules],
         "coordinator_module_managed": group_coordinator.torch.distributed is managed_distributed,
         "fully_shard_persistent": hsdp.fully_shard is persistent_fsdp.fully_shard,
@@ -304,7 +320,6 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
     from vllm_omni.diffusion.worker import diffusion_worker
     from vllm_omni.distributed import persistent_collectives as pc
     from vllm_omni.distributed import request_pool
-    from vllm_omni.distributed import traced_collectives as tc
     from vllm_omni.platforms import current_omni_platform
     from vllm_omni.plugins import load_omni_general_plugins
     from xpu_collective_memory import plugin
@@ -358,8 +373,8 @@ def _pool_mode_in_a_worker(rank: int, world: int, platform_has_pool: bool, alloc
         "pools_made": made_before_wake_up,
         "pool_after_wake_up": MemPool.made == made_before_wake_up + 1 and this.request_pool._pool is not mem_pool,
         "active_after": pool.active,
-        "routed": plugin._request_path_hook is not None or GroupCoordinator.all_reduce is tc.coordinator_all_reduce,
-        "collectives": type(tc.platform_collectives()).__name__ + str(tc.platform_collectives().staged),
+        "routed": plugin._request_path_hook is not None or _routed(GroupCoordinator),
+        "collectives": _staging_now(),
         "switches": {name: os.environ.get(name) for name in (request_pool.POOL_ENV, pc.SWITCH_ENV)},
     }
 
@@ -384,7 +399,7 @@ def test_the_request_pool_is_made_after_start_up_every_request_entry_point_runs_
         "pool_after_wake_up": True,  # wake_up makes a new one
         "active_after": False,
         "routed": False,  # no module rebound, the coordinator as released
-        "collectives": "CollectivesFalse",  # and the platform's are torch's own, unstaged
+        "collectives": False,  # the platform's are torch's own, unstaged
         "switches": {"VLLM_OMNI_DIFFUSION_REQUEST_MEM_POOL": "1", "VLLM_OMNI_PERSISTENT_COLLECTIVES": None},
     }
 
@@ -408,16 +423,14 @@ def test_the_request_pool_with_expandable_segments_fails_the_workers_start_up_na
 
 _NOT_A_WORKER_PROCESS = """
 import json, sys
-from tests.xpu_collective_memory.test_plugin import _torch_distributed_names
+from tests.xpu_collective_memory.test_plugin import _routed, _torch_distributed_names
 before = _torch_distributed_names()
 from vllm_omni.plugins import load_omni_general_plugins
 load_omni_general_plugins()
 from vllm_omni.diffusion.distributed.group_coordinator import GroupCoordinator
-from vllm_omni.distributed import persistent_collectives as pc
-from vllm_omni.distributed import traced_collectives as tc
 print(json.dumps({
     "untouched": _torch_distributed_names() == before,
-    "coordinator_released": GroupCoordinator.all_reduce is not tc.coordinator_all_reduce,
+    "coordinator_released": not _routed(GroupCoordinator),
     "worker_imported": "vllm_omni.diffusion.worker.diffusion_worker" in sys.modules,
 }))
 """

@@ -24,9 +24,11 @@ from vllm.logger import init_logger
 
 from vllm_omni.platforms import current_omni_platform
 
+from . import module_collectives as kinds
 from . import traced_collectives as traced
-from .persistent_collectives import _gathers_into, _writable, _write, cpu_twin, finished_work
-from .traced_collectives import platform_collectives, staging
+from .module_collectives import finished_work, module_collectives
+from .persistent_collectives import _gathers_into, _writable, _write, cpu_twin
+from .request_collectives import platform_collectives, staging
 
 # What a module that names one of these reaches staged, eager and traced alike.
 STAGED = frozenset(
@@ -132,9 +134,9 @@ def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, asyn
     if not _writable(output, input) or _torchs(async_op) or untraced:
         return traced.torchs_own(_dist.reduce_scatter_tensor, output, input, op=op, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
-        output.copy_(traced.reduce_scatter(input, traced.reduce_name(op), group).view(output.shape))
+        output.copy_(kinds.reduce_scatter(input, traced.reduce_name(op), group).view(output.shape))
         return None
-    platform_collectives().reduce_scatter_tensor(output, input, group, op)
+    module_collectives().reduce_scatter_tensor(output, input, group, op)
     return _done(async_op, group, output)
 
 
@@ -154,9 +156,9 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if not staged or _torchs(async_op):
         return traced.torchs_own(_dist.all_to_all_single, output, input, *splits, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
-        output.copy_(traced.all_to_all(input, *splits, group).view(output.shape))
+        output.copy_(kinds.all_to_all(input, *splits, group).view(output.shape))
         return None
-    platform_collectives().all_to_all_single(output, input, group, *splits)
+    module_collectives().all_to_all_single(output, input, group, *splits)
     return _done(async_op, group, output)
 
 
@@ -186,7 +188,7 @@ def batch_isend_irecv(p2p_op_list):
 
 @torch.compiler.disable  # Dynamo breaks the graph at point-to-point calls anyway; run eagerly, they are staged
 def _staged_batch(p2p_op_list):
-    return platform_collectives().batch_isend_irecv(p2p_op_list)
+    return module_collectives().batch_isend_irecv(p2p_op_list)
 
 
 def _p2p(op, tensor, peer, group, tag, group_peer):
@@ -235,7 +237,7 @@ def barrier(group=None, async_op=False, device_ids=None, timeout=None):
     plain = not staging() or async_op or torch.compiler.is_compiling() or timeout is not None
     if plain or _dist.distributed_c10d._rank_not_in_group(group):  # outside the group: torch answers it
         return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)
-    collectives, device = platform_collectives(), current_omni_platform.get_torch_device()
+    collectives, device = module_collectives(), current_omni_platform.get_torch_device()
     gloo_on_a_device = device.type != "cpu" and _dist.get_backend(group) == "gloo"  # no device tensors there
     if not collectives.staged or gloo_on_a_device:
         return _dist.barrier(group=group, async_op=async_op, device_ids=device_ids, timeout=timeout)

@@ -24,7 +24,7 @@ from vllm.logger import init_logger
 
 from .collective_workspaces import GrowOnlyBlock
 from .persistent_collectives import aligned
-from .traced_collectives import platform_choice
+from .request_collectives import platform_choice
 
 logger = init_logger(__name__)
 
