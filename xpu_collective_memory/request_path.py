@@ -182,12 +182,13 @@ def _coordinator_and_module(module: ModuleType) -> bool:
 
 
 def staged_stats(loading_too: bool = False) -> dict[str, int] | None:
-    """The figures of this process's staged collectives, the coordinator's and the modules' blocks together; None
+    """The figures of this process's staged collectives, the coordinator's and the modules' calls together; None
     where it does not stage (``loading_too``: also while its worker loads), as where the platform was left released."""
     if "collectives" not in vars(OmniPlatform):
         return None
     choice = request_collectives.platform_choice() if loading_too else request_collectives.platform_collectives()
     if not choice.staged:
         return None
-    modules = module_collectives._PERSISTENT.stats()
-    return {key: value + (modules[key] if key != "block_cap_bytes" else 0) for key, value in choice.stats().items()}
+    modules = module_collectives._PERSISTENT.stats()  # its blocks: the coordinator's, and its batches' pool
+    counts = ("staged_calls", "chunked_calls", "fallbacks", "payload_bytes", "staged_bytes")
+    return modules | {key: modules[key] + choice.stats()[key] for key in counts}

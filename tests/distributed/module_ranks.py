@@ -67,6 +67,13 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
         collectives.all_gather_into_tensor(outputs, tensor, group)
         return [*outputs, tensor]
 
+    def list_gather_strided(collectives):
+        # outputs of another layout, as a caller may hand them: gathered row-major, then written into each
+        tensor = data(rank, (2, 5), dtype, salt)
+        outputs = [torch.empty(5, 2, dtype=dtype).t() for _ in range(world)]
+        collectives.all_gather_into_tensor(outputs, tensor, group)
+        return [*outputs, tensor]
+
     def reduce_scatter(collectives):
         tensor = data(rank, (world * 3, 2), dtype, salt)
         output = torch.empty(3, 2, dtype=dtype)
@@ -81,6 +88,7 @@ def kinds(rank: int, world: int, dtype: torch.dtype, salt: int) -> dict[str, Cal
         "all_to_all_uneven": all_to_all_uneven,
         "ring_batch": ring_batch,
         "list_gather": list_gather,
+        "list_gather_strided": list_gather_strided,
         "reduce_scatter": reduce_scatter,
     }
 
@@ -164,3 +172,17 @@ def fallback_on_rank_one(rank: int, world: int) -> dict[str, Any]:
         "fallbacks": staged.fallbacks,
         "warnings": warnings,
     }
+
+
+def shared_blocks(rank: int, world: int) -> dict[str, Any]:
+    """The modules' calls and the coordinator's on one group: one block between them."""
+    from vllm_omni.distributed import persistent_collectives as pc
+    from vllm_omni.distributed.module_collectives import ModuleCollectives
+
+    coordinators = pc.Collectives(persistent=True)
+    modules = ModuleCollectives(persistent=True, blocks_of=coordinators)
+    tensor = data(rank, (world * 4,), torch.float32)
+    coordinators.all_reduce(tensor.clone(), None)
+    modules.reduce_scatter_tensor(torch.empty(4), tensor.clone(), None)
+    modules.all_to_all_single(torch.empty_like(tensor), tensor.clone(), None)
+    return {"blocks": len(coordinators.blocks()), "shared": modules.blocks() == coordinators.blocks()}

@@ -219,3 +219,8 @@ def test_a_staged_batch_whose_wait_raises_frees_its_block_and_writes_nothing_to_
     with pytest.raises(RuntimeError, match="injected"):
         batch.wait()
     assert not block.busy and torch.equal(received, torch.full((4,), 7.0))
+
+
+def test_the_modules_calls_share_the_coordinators_block_of_their_group():
+    for report in results_or_raise(run_ranks(module_ranks.shared_blocks, 2, timeout_s=300), 2):
+        assert report == {"blocks": 1, "shared": True}

@@ -46,10 +46,22 @@ def __getattr__(name: str):
     return getattr(_dist, name)
 
 
-def _torchs(async_op: bool) -> bool:
-    """Whether a staging process's ``async_op`` call is torch's own: compiled (behind a graph break), or while the
-    worker loads (nothing to stage)."""
-    return async_op and (torch.compiler.is_compiling() or not platform_collectives().staged)
+def _loading(async_op: bool) -> bool:
+    """An ``async_op`` call while the worker loads: nothing to stage, and torch's own keeps its overlap."""
+    return async_op and not platform_collectives().staged
+
+
+@torch.compiler.disable
+def _eagerly(call, *args, **kwargs):
+    """Compiled, ``call`` behind a graph break: a call the ops do not carry (``async_op=True``, an op they do not name)
+    runs staged as eager code does, and every rank still hands the backend its collectives in program order."""
+    return call(*args, **kwargs)
+
+
+def _torchs_own(call, *args, **kwargs):
+    """``call``, one of torch's own collectives; compiled, behind a graph break (Inductor would order it among its
+    own collectives, but not against the ops)."""
+    return _eagerly(call, *args, **kwargs) if torch.compiler.is_compiling() else call(*args, **kwargs)
 
 
 def _done(async_op: bool, group, *outputs: torch.Tensor):
@@ -67,40 +79,44 @@ def _copy_out(outputs, parts) -> None:
 def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
     if not staging():
         return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    if _torchs(async_op) or (torch.compiler.is_compiling() and traced.reduce_name(op) is None):
-        return traced.torchs_own(_dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
+        if async_op or traced.reduce_name(op) is None:
+            return _eagerly(all_reduce, tensor, op, group, async_op)
         traced.all_reduce(tensor, traced.reduce_name(op), group)
         return None
+    if _loading(async_op):
+        return _dist.all_reduce(tensor, op=op, group=group, async_op=True)
     platform_collectives().all_reduce(tensor, group, op)
     return _done(async_op, group, tensor)
 
 
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
-    if not staging():
-        return _dist.broadcast(tensor, src=src, group=group, async_op=async_op, group_src=group_src)
-    if src is None or group_src is not None or _torchs(async_op):
-        return traced.torchs_own(_dist.broadcast, tensor, src=src, group=group, async_op=async_op, group_src=group_src)
+    if not staging() or src is None or group_src is not None:  # by rank within the group: torch's own
+        return _torchs_own(_dist.broadcast, tensor, src=src, group=group, async_op=async_op, group_src=group_src)
     if torch.compiler.is_compiling():
+        if async_op:
+            return _eagerly(broadcast, tensor, src, group, async_op)
         traced.broadcast(tensor, src, group)
         return None
+    if _loading(async_op):
+        return _dist.broadcast(tensor, src=src, group=group, async_op=True)
     platform_collectives().broadcast(tensor, src, group)
     return _done(async_op, group, tensor)
-
-
-def _one_per_rank(tensors: list, group) -> bool:
-    return len(tensors) == _dist.get_world_size(group)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     if not staging():
         return _dist.all_gather(tensor_list, tensor, group=group, async_op=async_op)
     tensor = tensor.contiguous()
-    if not _gathers_into(tensor_list, tensor, _dist.get_world_size(group)) or _torchs(async_op):
-        return traced.torchs_own(_dist.all_gather, tensor_list, tensor, group=group, async_op=async_op)
+    if not _gathers_into(tensor_list, tensor, _dist.get_world_size(group)):
+        return _torchs_own(_dist.all_gather, tensor_list, tensor, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
+        if async_op:
+            return _eagerly(all_gather, tensor_list, tensor, group, async_op)
         _copy_out(tensor_list, traced.all_gather(tensor, group).view(len(tensor_list), *tensor.shape).unbind(0))
         return None
+    if _loading(async_op):
+        return _dist.all_gather(tensor_list, tensor, group=group, async_op=True)
     platform_collectives().all_gather_into_tensor(tensor_list, tensor, group)
     return _done(async_op, group, *tensor_list)
 
@@ -109,13 +125,15 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     if not staging():
         return _dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
     input_tensor = input_tensor.contiguous()
-    if not _gathers_into(output_tensor, input_tensor, _dist.get_world_size(group)) or _torchs(async_op):
-        return traced.torchs_own(
-            _dist.all_gather_into_tensor, output_tensor, input_tensor, group=group, async_op=async_op
-        )
+    if not _gathers_into(output_tensor, input_tensor, _dist.get_world_size(group)):
+        return _torchs_own(_dist.all_gather_into_tensor, output_tensor, input_tensor, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
+        if async_op:
+            return _eagerly(all_gather_into_tensor, output_tensor, input_tensor, group, async_op)
         output_tensor.copy_(traced.all_gather(input_tensor, group).view(output_tensor.shape))
         return None
+    if _loading(async_op):
+        return _dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=True)
     platform_collectives().all_gather_into_tensor(output_tensor, input_tensor, group)
     return _done(async_op, group, output_tensor)
 
@@ -130,12 +148,15 @@ def all_gather_single(output_tensor, input_tensor, group=None, async_op=False):
 def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, async_op=False):
     if not staging():
         return _dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-    untraced = torch.compiler.is_compiling() and traced.reduce_name(op) is None
-    if not _writable(output, input) or _torchs(async_op) or untraced:
-        return traced.torchs_own(_dist.reduce_scatter_tensor, output, input, op=op, group=group, async_op=async_op)
+    if not _writable(output, input):
+        return _torchs_own(_dist.reduce_scatter_tensor, output, input, op=op, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
+        if async_op or traced.reduce_name(op) is None:
+            return _eagerly(reduce_scatter_tensor, output, input, op, group, async_op)
         output.copy_(kinds.reduce_scatter(input, traced.reduce_name(op), group).view(output.shape))
         return None
+    if _loading(async_op):
+        return _dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=True)
     module_collectives().reduce_scatter_tensor(output, input, group, op)
     return _done(async_op, group, output)
 
@@ -151,33 +172,45 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     if not staging():
         return _dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group, async_op)
     splits = (output_split_sizes, input_split_sizes)
-    one_sided = (output_split_sizes is None) != (input_split_sizes is None)  # the traced op sizes its output by both
-    staged = _writable(output, input) and not (one_sided and torch.compiler.is_compiling())
-    if not staged or _torchs(async_op):
-        return traced.torchs_own(_dist.all_to_all_single, output, input, *splits, group=group, async_op=async_op)
+    if not _writable(output, input):
+        return _torchs_own(_dist.all_to_all_single, output, input, *splits, group=group, async_op=async_op)
     if torch.compiler.is_compiling():
+        one_sided = (output_split_sizes is None) != (input_split_sizes is None)  # the op sizes its output by both
+        if async_op or one_sided:
+            return _eagerly(all_to_all_single, output, input, *splits, group, async_op)
         output.copy_(kinds.all_to_all(input, *splits, group).view(output.shape))
         return None
+    if _loading(async_op):
+        return _dist.all_to_all_single(output, input, *splits, group=group, async_op=True)
     module_collectives().all_to_all_single(output, input, group, *splits)
     return _done(async_op, group, output)
 
 
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
-    """Equal tensors go as one staged ``all_to_all_single`` of their stack: the same bits, one copy more."""
+    """One staged ``all_to_all_single`` of the tensors flattened, split by their sizes: the same wire collective on
+    every rank, whatever each rank's shapes."""
     if not staging():
         return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
-    first = input_tensor_list[0]
-    parts = [*output_tensor_list, *input_tensor_list]
-    even = all(t.shape == first.shape and t.dtype == first.dtype and t.device == first.device for t in parts)
-    fits = even and _one_per_rank(output_tensor_list, group) and _one_per_rank(input_tensor_list, group)
-    if not fits or _torchs(async_op):
-        return traced.torchs_own(
-            _dist.all_to_all, output_tensor_list, input_tensor_list, group=group, async_op=async_op
-        )
-    received = first.new_empty((len(output_tensor_list), *first.shape))
-    all_to_all_single(received, torch.stack(input_tensor_list), group=group)
-    _copy_out(output_tensor_list, received.unbind(0))
+    first, parts = input_tensor_list[0], [*output_tensor_list, *input_tensor_list]
+    alike = all(t.dtype == first.dtype and t.device == first.device for t in parts)
+    if not (alike and _one_per_rank(output_tensor_list, group) and _one_per_rank(input_tensor_list, group)):
+        return _torchs_own(_dist.all_to_all, output_tensor_list, input_tensor_list, group=group, async_op=async_op)
+    if torch.compiler.is_compiling() and async_op:
+        return _eagerly(all_to_all, output_tensor_list, input_tensor_list, group, async_op)
+    if _loading(async_op):
+        return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=True)
+    sizes = [[t.numel() for t in tensors] for tensors in (output_tensor_list, input_tensor_list)]
+    received = first.new_empty(sum(sizes[0]))
+    all_to_all_single(received, torch.cat([t.reshape(-1) for t in input_tensor_list]), *sizes, group=group)
+    _copy_out(
+        output_tensor_list,
+        [part.view(t.shape) for part, t in zip(received.split(sizes[0]), output_tensor_list, strict=True)],
+    )
     return _done(async_op, group, *output_tensor_list)
+
+
+def _one_per_rank(tensors: list, group) -> bool:
+    return len(tensors) == _dist.get_world_size(group)
 
 
 def batch_isend_irecv(p2p_op_list):
@@ -262,7 +295,7 @@ def scope_remote_code(model: Any) -> list[str]:
     """The loaded modules of ``model``'s package, remote code a checkpoint brings that no change here can edit, get
     this module for ``torch.distributed`` (torch itself is left alone); returns what it rebound."""
     package = type(model).__module__.rpartition(".")[0]
-    if model is None or not package:
+    if model is None or not package or not staging():  # off: the remote code's own torch.distributed
         return []
     this, bound = sys.modules[__name__], []
     for name, loaded in list(sys.modules.items()):

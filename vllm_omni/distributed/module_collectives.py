@@ -3,8 +3,8 @@
 """The kinds diffusion modules call beyond the coordinator's three: reduce-scatter, all-to-all, point-to-point
 batches and barrier, staged as ``persistent_collectives`` stages the coordinator's, eagerly and through registered
 ops for compiled code (ordered by ``traced_collectives.ORDER``). Even all-to-alls of one shape go in chunks above
-the cap; reduce-scatters, all-to-alls with split sizes and point-to-point batches go whole. These calls keep blocks
-of their own, apart from the coordinator's.
+the cap; reduce-scatters, all-to-alls with split sizes and point-to-point batches go whole. Staged, these calls
+share the coordinator's block of each group, and point-to-point batches in flight hold blocks of a pool of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from .persistent_collectives import (
     aligned,
     block_cap,
 )
+from .persistent_collectives import _PERSISTENT as _COORDINATORS
 from .request_collectives import platform_collectives
 from .traced_collectives import ORDER, REDUCE_OPS, _group, group_name
 
@@ -107,8 +108,8 @@ class ModuleCollectives(Collectives):
         "batches"
     )
 
-    def __init__(self, persistent: bool) -> None:
-        super().__init__(persistent)
+    def __init__(self, persistent: bool, blocks_of: Collectives | None = None) -> None:
+        super().__init__(persistent, blocks_of)
         self._batches: weakref.WeakKeyDictionary[Any, dict[torch.device, list]] = weakref.WeakKeyDictionary()
 
     def blocks(self) -> list[StagingBlock]:
@@ -238,7 +239,8 @@ class ModuleCollectives(Collectives):
         return self._lease("batch_isend_irecv", free, group, device, nbytes)
 
 
-_PLAIN, _PERSISTENT = ModuleCollectives(persistent=False), ModuleCollectives(persistent=True)
+_PLAIN = ModuleCollectives(persistent=False)
+_PERSISTENT = ModuleCollectives(persistent=True, blocks_of=_COORDINATORS)  # one block per group for both
 
 
 def module_collectives() -> ModuleCollectives:

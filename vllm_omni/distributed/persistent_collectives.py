@@ -73,8 +73,7 @@ def _grown(held: int, needed: int) -> int:
     return aligned(min(target, block_cap()) if needed <= block_cap() else target)
 
 
-def current_stream(device: torch.device) -> Any:
-    """The stream work on ``device`` is queued on now; None where there are no streams."""
+def current_stream(device: torch.device) -> Any:  # None where there are no streams
     if device.type in ("cpu", "meta"):
         return None
     return torch.get_device_module(device.type).current_stream(device)
@@ -139,8 +138,10 @@ def _writable(output: torch.Tensor, input: torch.Tensor) -> bool:
 
 def _gathers_into(output: Any, input: torch.Tensor, world: int) -> bool:
     """``world`` tensors of the input's shape, or their concatenation along dim 0, as every backend gathers into."""
-    if isinstance(output, list):
-        return len(output) == world and all(t.shape == input.shape and _writable(t, input) for t in output)
+    if isinstance(output, list):  # of any layout: each is written from a row-major gather
+        alike = (t.shape == input.shape and t.dtype == input.dtype and t.device == input.device for t in output)
+        guarded = any(t.requires_grad for t in output)
+        return len(output) == world and input.is_contiguous() and all(alike) and not guarded
     whole = (world * input.shape[0], *input.shape[1:]) if input.dim() else (world,)
     return output.shape == whole and _writable(output, input)
 
@@ -178,11 +179,10 @@ class Collectives:
 
     WHOLE = "float all-reduces on more than two ranks"  # what goes whole above the cap, as the first use logs
 
-    def __init__(self, persistent: bool) -> None:
-        self.staged = persistent
-        self._blocks: weakref.WeakKeyDictionary[Any, dict[torch.device, StagingBlock]] = weakref.WeakKeyDictionary()
+    def __init__(self, persistent: bool, blocks_of: Collectives | None = None) -> None:
+        self.staged = persistent  # and with ``blocks_of``, one block per (group, device) for both instances
+        self._blocks = weakref.WeakKeyDictionary() if blocks_of is None else blocks_of._blocks
         self.staged_calls = self.chunked_calls = self.fallbacks = self.payload_bytes = self.staged_bytes = 0
-        self._last: tuple[Any, torch.device, StagingBlock] | None = None  # the last lookup, most calls' next
         self._logged: set[str] = set()
 
     def blocks(self) -> list[StagingBlock]:
@@ -213,15 +213,10 @@ class Collectives:
         return self._lease(name, block, group, device, nbytes)
 
     def _lookup(self, group: Any, device: torch.device) -> StagingBlock | None:
-        last = self._last
-        if last is not None and last[0] is group and last[1] == device:
-            return last[2]
         by_device = _per_device(self._blocks, group)
         if device not in by_device:
             by_device[device] = None if group in _control_groups else StagingBlock()
-        block = by_device[device]
-        self._last = (group, device, block)
-        return block
+        return by_device[device]
 
     def _lease(self, name: str, block: StagingBlock, group: Any, device: torch.device, nbytes: int):
         if block.device != device or block.nbytes < nbytes:
@@ -310,6 +305,11 @@ class Collectives:
         if plain or not self.staged:
             (dist.all_gather if listed else dist.all_gather_single)(output, input, group=group)
             return output
+        if listed and not all(t.is_contiguous() for t in output):  # gathered row-major, then written out
+            stacked = self.all_gather_into_tensor(input.new_empty(world * input.numel()), input.view(-1), group)
+            for row, part in zip(output, stacked.view(world, *input.shape), strict=True):
+                _write(row, part)
+            return output
         rank, numel, size = dist.get_rank(group), input.numel(), input.element_size()
         self.payload_bytes += world * input.nbytes
         step = max(1, min(numel, block_cap() // (world * size)))  # elements per rank and chunk
@@ -369,8 +369,7 @@ def unstaged():
         _loading = before
 
 
-def unless_loading(choice: Collectives) -> Collectives:
-    """``choice``, or plain collectives inside ``unstaged()``."""
+def unless_loading(choice: Collectives) -> Collectives:  # plain inside ``unstaged()``
     return _PLAIN if _loading else choice
 
 

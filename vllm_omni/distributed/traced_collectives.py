@@ -7,8 +7,8 @@ functional collectives do, and is never dead code, since every rank must run it.
 
 Inductor orders its own collectives as the program calls them, but not ops it does not know, and reorders
 independent nodes by memory: graphs that differ between ranks (split sizes are constants) could then hand the
-backend their collectives in a different order on each rank and hang. So every op also writes one shared element,
-``ORDER``: each depends on the one the program called before it, and no compiler may swap them.
+backend their collectives in a different order on each rank and hang. So every op also declares that it mutates one
+shared element, ``ORDER``: each depends on the one the program called before it, and no compiler may swap them.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import request_collectives
 from .request_collectives import as_gathered, gather_input, platform_collectives, source_rank
 
 _R = dist.ReduceOp
@@ -25,7 +26,7 @@ REDUCE_OPS = {
 }  # fmt: skip
 
 with torch.inference_mode(False):  # written by graphs compiled in and out of inference mode alike
-    ORDER = torch.zeros(1)  # never read: its writes chain the ops in program order
+    ORDER = torch.zeros(1)  # never read nor written: each op declares it mutated, which chains them in program order
 
 
 def _group(group_name: str):
@@ -39,19 +40,6 @@ def group_name(group) -> str:
 def reduce_name(op) -> str | None:
     """The op's name here, or None where it has none (then the call is torch's own, behind a graph break)."""
     return next((name for name, reduce in REDUCE_OPS.items() if op == reduce), None)
-
-
-def torchs_own(call, *args, **kwargs):
-    """``call``, a collective of torch's own. Compiled, it runs behind a graph break: Inductor would order it among
-    its own collectives but not against these ops, so the ranks could hand them to the backend in different orders."""
-    if torch.compiler.is_compiling():
-        return _eagerly(call, *args, **kwargs)
-    return call(*args, **kwargs)
-
-
-@torch.compiler.disable
-def _eagerly(call, *args, **kwargs):
-    return call(*args, **kwargs)
 
 
 @torch.library.custom_op("vllm_omni::all_reduce", mutates_args=("tensor", "order"))
@@ -107,9 +95,8 @@ def coordinator_all_reduce(self, input_: torch.Tensor, op=dist.ReduceOp.SUM) -> 
     """``GroupCoordinator.all_reduce``: in place where it can be; use the return value."""
     if self.world_size == 1:
         return input_
-    if (name := reduce_name(op)) is None:
-        torchs_own(dist.all_reduce, input_, op=op, group=self.device_group)
-        return input_
+    if (name := reduce_name(op)) is None:  # staged eagerly, behind a graph break
+        return request_collectives.coordinator_all_reduce(self, input_, op)
     return all_reduce(input_, name, self.device_group)
 
 
