@@ -9,7 +9,7 @@ environment:
 
     python -m tooling.upstream_patches check                # pristine tree, each patch checked then applied
     python -m tooling.upstream_patches test                 # each prefix: its last patch's own tests, plugin off;
-                                                            # then the serve tests on the whole series
+                                                            # then the serve and Inductor tests on the whole series
     python -m tooling.upstream_patches test --prefix 3      # the first three patches, the third's tests
     python -m tooling.upstream_patches regenerate           # every patch's owned files as this checkout has them
                                                             # (each of these fetches the 0.30.0 wheel with pip)
@@ -139,11 +139,9 @@ SERIES = (
             *_under(
                 "tests/distributed",
                 "managed_ranks.py",
-                "order_ranks.py",
                 "pool_ranks.py",
                 "sequence_parallel_ranks.py",
                 "test_managed_distributed.py",
-                "test_program_order.py",
                 "test_sequence_parallel.py",
             ),
         ),
@@ -165,6 +163,9 @@ TEST_PLATFORM = ("cpu_test", "cpu_test_workarounds")
 TEST_PLATFORM_ENV = "VLLM_OMNI_CPU_TEST_PLATFORM"
 # Run from this checkout against the whole series: they need the project's synthetic pipelines.
 CHECKOUT_TESTS = ("tests/e2e/test_minimax_h3_serve_cpu.py", "tests/e2e/test_wan2_2_serve_cpu.py")
+# This checkout's own tests of what only Inductor does, on gloo ranks: run once, on the whole series, plugin and CPU
+# test platform off, as the patches' own tests run (those compile with aot_eager).
+INDUCTOR_TESTS = ("tests/distributed/test_inductor_on_ranks.py", "tests/distributed/test_program_order.py")
 # The tree has no pytest configuration of its own: upstream's markers (its pyproject.toml) that the tests use.
 PYTEST_INI = """[pytest]
 addopts = --strict-markers -q -p no:cacheprovider
@@ -324,12 +325,13 @@ def run_patch_tests(tree: Path, index: int, *pytest_args: str) -> int:
     return subprocess.run(command, cwd=tree, env=_tree_env(tree, test_platform=False)).returncode
 
 
-def run_checkout_tests(tree: Path) -> int:
-    """The serve tests from this checkout against the whole series' ``tree``, plugin off (they serve on CPU ranks
-    through the CPU test platform)."""
-    print(f"[upstream] pytest {' '.join(CHECKOUT_TESTS)} against {tree}", file=sys.stderr, flush=True)
-    command = [sys.executable, "-m", "pytest", *CHECKOUT_TESTS]
-    return subprocess.run(command, cwd=ROOT, env=_tree_env(tree, test_platform=True)).returncode
+def run_checkout_tests(tree: Path, tests: tuple[str, ...] = CHECKOUT_TESTS) -> int:
+    """Tests of this checkout against the whole series' ``tree``, plugin off: the serve tests through the CPU test
+    platform (they serve on CPU ranks), ``INDUCTOR_TESTS`` without it."""
+    print(f"[upstream] pytest {' '.join(tests)} against {tree}", file=sys.stderr, flush=True)
+    command = [sys.executable, "-m", "pytest", *tests]
+    env = _tree_env(tree, test_platform=tests == CHECKOUT_TESTS)
+    return subprocess.run(command, cwd=ROOT, env=env).returncode
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -375,8 +377,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[upstream] patches 1-{length} apply to vLLM-Omni {RELEASE}: {tree}")
         if args.action == "test" and (failed := run_patch_tests(tree, length - 1)):
             return failed
-    if args.action == "test" and args.prefix is None:  # the whole series: serve it
-        return run_checkout_tests(base / f"prefix-{len(SERIES)}")
+    if args.action == "test" and args.prefix is None:  # the whole series: serve it, and Inductor on ranks
+        whole = base / f"prefix-{len(SERIES)}"
+        return run_checkout_tests(whole) or run_checkout_tests(whole, INDUCTOR_TESTS)
     return 0
 
 

@@ -114,7 +114,6 @@ def edge_cases(d: Any, rank: int, world: int, pair: Any) -> dict[str, Any]:
 
 def checks(rank: int, world: int) -> dict[str, Any]:
     import torch._inductor.config
-    from torch._dynamo.utils import counters
 
     from vllm_omni.distributed import managed_distributed
 
@@ -138,8 +137,8 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         report[f"extras_calls{switch}"] = [name for name, _ in recorder.requests[0]]
         report[f"edges{switch}"] = edge_cases(managed_distributed, rank, world, pair)
     # Compiled with aot_eager, keeping each graph Dynamo hands it: torch's own module (the release), then this one
-    # with staging off (torch's own calls, breaking the graph where torch's do) and on (whole-graph); with Inductor,
-    # staged. Graph breaks are counted as graphs: Dynamo's counter also counts its retries, one per nested frame.
+    # with staging off (torch's own calls, breaking the graph where torch's do) and on (whole-graph). Graph breaks are
+    # counted as graphs: Dynamo's counter also counts its retries, one per nested frame.
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
     arms = (("release", dist, False), ("0", managed_distributed, False), ("1", managed_distributed, True))
     for arm, d, fullgraph in arms:
@@ -151,11 +150,6 @@ def checks(rank: int, world: int) -> dict[str, Any]:
         report[f"graphs{arm}"] = len(graphs)
         targets = {str(node.target) for g in graphs for node in g.graph.nodes if node.op == "call_function"}
         report[f"ops{arm}"] = sorted(t for t in targets if t.startswith(("_c10d_functional.", "vllm_omni.")))
-    module.d = managed_distributed
-    counters.clear()
-    compiled = torch.compile(module, backend="inductor", dynamic=True, fullgraph=True)
-    report["inductor1"] = run_switched("1", compiled, inputs, True)
-    report["inductor_breaks1"] = sum(counters["graph_break"].values())
     report["oracle"], report["extras_oracle"] = oracle, extras_oracle
     report["non_member_point_to_point"] = non_member_point_to_point(rank, world)
     os.environ[SWITCH_ENV] = "0"

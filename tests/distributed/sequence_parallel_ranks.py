@@ -49,8 +49,8 @@ class _Ring(_Ulysses):
         return received * 2 + x
 
 
-def compile_checks(rank: int, world: int) -> dict[str, Any]:
-    """Both patterns compiled with Inductor and ``aot_eager`` (dynamic shapes, inference mode), switch off and on."""
+def compile_checks(rank: int, world: int, backends: tuple[str, ...] = ("aot_eager",)) -> dict[str, Any]:
+    """Both patterns compiled with ``backends`` (dynamic shapes, inference mode), switch off and on."""
     import torch._inductor.config
     from torch._dynamo.utils import counters
 
@@ -62,7 +62,7 @@ def compile_checks(rank: int, world: int) -> dict[str, Any]:
         os.environ[SWITCH_ENV] = "0"
         with torch.inference_mode():
             eager = [bits(module(x)) for x in inputs]
-        for backend in ("aot_eager", "inductor"):
+        for backend in backends:
             compiled = torch.compile(module, backend=backend, dynamic=True, fullgraph=name == "ulysses")
             runs: dict[str, Any] = {}
             for switch in ("0", "1"):

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """Every collective ``managed_distributed`` stages, as a request-path module calls it, on four gloo ranks: eager and
-compiled whole-graph (Inductor and ``aot_eager``, dynamic shapes), with ``torch.distributed`` as the oracle; and in
+compiled whole-graph (``aot_eager``, dynamic shapes), with ``torch.distributed`` as the oracle; and in
 the request pool, torch's own on every rank (the pool a stand-in for ``torch.xpu``'s)."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from tests.distributed import managed_ranks, pool_ranks
-from tests.distributed.collective_ranks import close_floats
 from tests.distributed.ranks import results_or_raise, run_ranks
 
 pytestmark = [pytest.mark.core_model, pytest.mark.cpu, pytest.mark.diffusion, pytest.mark.parallel]
@@ -31,12 +30,8 @@ def test_eager_async_and_point_to_point_calls_give_torchs_bits_and_return_what_t
     assert all(report["extras1"] == report["extras0"] == report["extras_oracle"] for report in reports)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
-def test_compiled_the_switch_on_gives_the_results_of_the_switch_off(reports, backend):
-    # Inductor fuses the code around the registered ops otherwise than aot_eager runs torch's functional collectives.
-    for report in reports:
-        on, off = report[f"{backend}1"][0], report["aot_eager0"][0]
-        assert on == off if backend == "aot_eager" else close_floats(on, off)
+def test_compiled_the_switch_on_gives_the_results_of_the_switch_off(reports):
+    assert all(report["aot_eager1"][0] == report["aot_eager0"][0] for report in reports)
 
 
 def test_compiled_aot_eager_gives_torchs_eager_bits(reports):
@@ -45,8 +40,9 @@ def test_compiled_aot_eager_gives_torchs_eager_bits(reports):
 
 def test_compiled_staging_off_breaks_the_graph_where_torchs_own_does_and_staged_every_kind_is_one_graph(reports):
     for report in reports:
-        assert report["graphs0"] == report["graphsrelease"] > report["graphs1"]  # torch's broadcast, list all_to_all
-        assert report["inductor_breaks1"] == 0  # fullgraph: one graph per compile
+        assert (
+            report["graphs0"] == report["graphsrelease"] > report["graphs1"] == 1
+        )  # torch's broadcast, list all_to_all
 
 
 def test_compiled_staging_off_holds_torchs_functional_collectives_as_the_release_does_and_none_of_ours(reports):
@@ -57,7 +53,7 @@ def test_compiled_staging_off_holds_torchs_functional_collectives_as_the_release
         assert "vllm_omni.all_reduce" in report["ops1"]
 
 
-@pytest.mark.parametrize("mode", ["eager", "aot_eager", "inductor"])
+@pytest.mark.parametrize("mode", ["eager", "aot_eager"])
 def test_staged_the_backend_is_handed_only_blocks_and_plain_eager_it_is_handed_the_callers_tensors(reports, mode):
     for report in reports:
         assert report[f"{mode}1"][1]["calls"] > 0 and report[f"{mode}1"][1]["unmanaged"] == 0, report[mode + "1"]

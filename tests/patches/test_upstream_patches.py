@@ -88,6 +88,10 @@ def test_the_whole_series_serves_minimax_h3_and_wan2_2_with_the_plugin_off(whole
     assert upstream_patches.run_checkout_tests(whole) == 0
 
 
+def test_on_the_whole_series_inductor_keeps_every_staged_collective_whole_staged_and_in_program_order(whole):
+    assert upstream_patches.run_checkout_tests(whole, upstream_patches.INDUCTOR_TESTS) == 0
+
+
 def test_every_collective_site_of_the_patched_tree_is_routed_or_reviewed_without_the_plugin(whole, capsys):
     assert reach.main(["--tree", str(whole / "vllm_omni" / "diffusion"), "--without-plugin"]) == 0, (
         capsys.readouterr().err
