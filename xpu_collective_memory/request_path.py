@@ -47,7 +47,7 @@ def _eager_or_compiled(name: str):
     through ``request_collectives``, compiled through ``traced_collectives``."""
     eager, compiled = getattr(request_collectives, name), getattr(traced_collectives, name)
 
-    @functools.wraps(eager)
+    @functools.wraps(eager, updated=())  # not its __dict__: Dynamo would take this one for disabled too
     def method(*args, **kwargs):
         return (compiled if torch.compiler.is_compiling() else eager)(*args, **kwargs)
 

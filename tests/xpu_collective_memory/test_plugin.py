@@ -195,6 +195,11 @@ def _load_plugins_in_a_worker(rank: int, world: int, value: str, env: dict[str, 
     return {
         "routed_before_init_device": routed_before,
         "routed": _routed(GroupCoordinator),
+        # Dynamo inlines them: compiled, a graph holds their ops (a disabled method would break it at each call)
+        "coordinator_traced": not any(
+            getattr(getattr(GroupCoordinator, name), "_torchdynamo_disable", False)
+            for name in ("all_reduce", "all_gather", "broadcast")
+        ),  # fmt: skip
         "staged": "collectives" in vars(OmniPlatform) and rc.platform_choice().staged,
         "modules_managed": [module.dist is managed_distributed for module in modules],
         "coordinator_module_managed": group_coordinator.torch.distributed is managed_distributed,
@@ -259,6 +264,7 @@ def test_a_staging_worker_routes_its_request_path_through_the_platform_and_stage
     assert report == {
         "routed_before_init_device": False,
         "routed": True,
+        "coordinator_traced": True,
         "staged": True,
         "modules_managed": [True] * len(_REQUEST_PATH),
         "coordinator_module_managed": True,  # its tensor-dict and point-to-point methods name torch.distributed
@@ -280,6 +286,7 @@ def test_a_worker_that_does_not_stage_leaves_every_class_and_module_as_released(
     assert report == {
         "routed_before_init_device": False,
         "routed": False,
+        "coordinator_traced": True,
         "staged": False,
         "modules_managed": [False] * len(_REQUEST_PATH),
         "coordinator_module_managed": False,

@@ -51,17 +51,28 @@ def _loading(async_op: bool) -> bool:
     return async_op and not platform_collectives().staged
 
 
+_eager = [False]  # inside _eagerly: export keeps is_compiling() true there
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling() and not _eager[0]
+
+
 @torch.compiler.disable
 def _eagerly(call, *args, **kwargs):
     """Compiled, ``call`` behind a graph break: a call the ops do not carry (``async_op=True``, an op they do not name)
     runs staged as eager code does, and every rank still hands the backend its collectives in program order."""
-    return call(*args, **kwargs)
+    before, _eager[0] = _eager[0], True
+    try:
+        return call(*args, **kwargs)
+    finally:
+        _eager[0] = before
 
 
 def _torchs_own(call, *args, **kwargs):
     """``call``, one of torch's own collectives; compiled, behind a graph break (Inductor would order it among its
     own collectives, but not against the ops)."""
-    return _eagerly(call, *args, **kwargs) if torch.compiler.is_compiling() else call(*args, **kwargs)
+    return _eagerly(call, *args, **kwargs) if _compiling() else call(*args, **kwargs)
 
 
 def _done(async_op: bool, group, *outputs: torch.Tensor):
@@ -71,7 +82,7 @@ def _done(async_op: bool, group, *outputs: torch.Tensor):
 
 
 def _copy_out(outputs, parts) -> None:
-    write = torch.Tensor.copy_ if torch.compiler.is_compiling() else _write
+    write = torch.Tensor.copy_ if _compiling() else _write
     for out, part in zip(outputs, parts, strict=True):
         write(out, part)
 
@@ -79,7 +90,7 @@ def _copy_out(outputs, parts) -> None:
 def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
     if not staging():
         return _dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-    if torch.compiler.is_compiling():
+    if _compiling():
         if async_op or traced.reduce_name(op) is None:
             return _eagerly(all_reduce, tensor, op, group, async_op)
         traced.all_reduce(tensor, traced.reduce_name(op), group)
@@ -93,7 +104,7 @@ def all_reduce(tensor, op=_dist.ReduceOp.SUM, group=None, async_op=False):
 def broadcast(tensor, src=None, group=None, async_op=False, group_src=None):
     if not staging() or src is None or group_src is not None:  # by rank within the group: torch's own
         return _torchs_own(_dist.broadcast, tensor, src=src, group=group, async_op=async_op, group_src=group_src)
-    if torch.compiler.is_compiling():
+    if _compiling():
         if async_op:
             return _eagerly(broadcast, tensor, src, group, async_op)
         traced.broadcast(tensor, src, group)
@@ -110,7 +121,7 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
     tensor = tensor.contiguous()
     if not _gathers_into(tensor_list, tensor, _dist.get_world_size(group)):
         return _torchs_own(_dist.all_gather, tensor_list, tensor, group=group, async_op=async_op)
-    if torch.compiler.is_compiling():
+    if _compiling():
         if async_op:
             return _eagerly(all_gather, tensor_list, tensor, group, async_op)
         _copy_out(tensor_list, traced.all_gather(tensor, group).view(len(tensor_list), *tensor.shape).unbind(0))
@@ -127,7 +138,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=Fal
     input_tensor = input_tensor.contiguous()
     if not _gathers_into(output_tensor, input_tensor, _dist.get_world_size(group)):
         return _torchs_own(_dist.all_gather_into_tensor, output_tensor, input_tensor, group=group, async_op=async_op)
-    if torch.compiler.is_compiling():
+    if _compiling():
         if async_op:
             return _eagerly(all_gather_into_tensor, output_tensor, input_tensor, group, async_op)
         output_tensor.copy_(traced.all_gather(input_tensor, group).view(output_tensor.shape))
@@ -150,7 +161,7 @@ def reduce_scatter_tensor(output, input, op=_dist.ReduceOp.SUM, group=None, asyn
         return _dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
     if not _writable(output, input):
         return _torchs_own(_dist.reduce_scatter_tensor, output, input, op=op, group=group, async_op=async_op)
-    if torch.compiler.is_compiling():
+    if _compiling():
         if async_op or traced.reduce_name(op) is None:
             return _eagerly(reduce_scatter_tensor, output, input, op, group, async_op)
         output.copy_(kinds.reduce_scatter(input, traced.reduce_name(op), group).view(output.shape))
@@ -174,7 +185,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     splits = (output_split_sizes, input_split_sizes)
     if not _writable(output, input):
         return _torchs_own(_dist.all_to_all_single, output, input, *splits, group=group, async_op=async_op)
-    if torch.compiler.is_compiling():
+    if _compiling():
         one_sided = (output_split_sizes is None) != (input_split_sizes is None)  # the op sizes its output by both
         if async_op or one_sided:
             return _eagerly(all_to_all_single, output, input, *splits, group, async_op)
@@ -193,9 +204,10 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False
         return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
     first, parts = input_tensor_list[0], [*output_tensor_list, *input_tensor_list]
     alike = all(t.dtype == first.dtype and t.device == first.device for t in parts)
+    alike = alike and not any(t.requires_grad for t in output_tensor_list)  # written as a backend writes
     if not (alike and _one_per_rank(output_tensor_list, group) and _one_per_rank(input_tensor_list, group)):
         return _torchs_own(_dist.all_to_all, output_tensor_list, input_tensor_list, group=group, async_op=async_op)
-    if torch.compiler.is_compiling() and async_op:
+    if _compiling() and async_op:
         return _eagerly(all_to_all, output_tensor_list, input_tensor_list, group, async_op)
     if _loading(async_op):
         return _dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=True)
