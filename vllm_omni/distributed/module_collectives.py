@@ -103,6 +103,7 @@ def finished_work(outputs: list[torch.Tensor]) -> dist.Work:
 class ModuleCollectives(Collectives):
     """``Collectives`` with the kinds only diffusion modules call."""
 
+    IN_USE = "persistent buffers in use for the diffusion modules' own calls too"
     WHOLE = (
         "float all-reduces on more than two ranks, reduce-scatters, all-to-alls with split sizes and point-to-point "
         "batches"

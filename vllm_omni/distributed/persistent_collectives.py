@@ -165,8 +165,7 @@ def _chunks_keep_bits(tensor: torch.Tensor, op: Any, group: Any) -> bool:
     return op == dist.ReduceOp.SUM and dist.get_world_size(group) == 2
 
 
-def _per_device(table: weakref.WeakKeyDictionary, group: Any) -> dict:
-    """The group's entries of ``table``, by device (group None: the default group)."""
+def _per_device(table: weakref.WeakKeyDictionary, group: Any) -> dict:  # by device; group None: the default
     return table.setdefault(group if group is not None else dist.group.WORLD, {})
 
 
@@ -177,7 +176,8 @@ class Collectives:
     collectives are the same, so its peers never notice. Each such collective is logged once.
     """
 
-    WHOLE = "float all-reduces on more than two ranks"  # what goes whole above the cap, as the first use logs
+    IN_USE, WHOLE = "persistent buffers in use in this process", "float all-reduces on more than two ranks"
+    announced = False  # the first staged call of the class logs IN_USE, and what goes whole above the cap
 
     def __init__(self, persistent: bool, blocks_of: Collectives | None = None) -> None:
         self.staged = persistent  # and with ``blocks_of``, one block per (group, device) for both instances
@@ -225,9 +225,10 @@ class Collectives:
             except Exception as error:  # OutOfMemoryError on a device, RuntimeError on CPU: this rank goes plain
                 return self._fall_back(name, f"no block of {nbytes} bytes on {device}: {error}")
         block.use_on(device)
-        if not self.staged_calls:
-            logger.info("[PERSISTENT_COLLECTIVES] persistent buffers in use in this process (first: %s); blocks of at "
-                        "most %d MiB, but %s go whole", name, block_cap() >> 20, self.WHOLE)  # fmt: skip
+        if not type(self).announced:
+            type(self).announced = True
+            logger.info("[PERSISTENT_COLLECTIVES] %s (first: %s); blocks of at most %d MiB, but %s go whole",
+                        self.IN_USE, name, block_cap() >> 20, self.WHOLE)  # fmt: skip
         self.staged_calls += 1
         block.busy = True
         return block
@@ -388,6 +389,5 @@ def register_coordinator(coordinator: Any) -> None:
         _cpu_twins.setdefault(dist.group.WORLD, coordinator.cpu_group)
 
 
-def cpu_twin(group: Any) -> Any:
-    """The gloo group over the same ranks as ``group`` (None: the default group), where one is known."""
+def cpu_twin(group: Any) -> Any:  # the gloo group over the same ranks, where one is known
     return _cpu_twins.get(group if group is not None else dist.group.WORLD)

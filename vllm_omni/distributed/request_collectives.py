@@ -11,12 +11,14 @@ import torch.distributed as dist
 
 from vllm_omni.platforms import current_omni_platform
 
-from .persistent_collectives import Collectives, unless_loading
+from .persistent_collectives import Collectives, collectives_for, unless_loading
 
 
 def platform_choice() -> Collectives:
-    """The current platform's collectives, also while a worker loads (for what is set up then and staged later)."""
-    return type(current_omni_platform).collectives()  # the class's: no fallback to torch.<device>
+    """The current platform's collectives, also while a worker loads (for what is set up then and staged later); by
+    the switch alone for a platform class without ``collectives()``."""
+    choose = getattr(type(current_omni_platform), "collectives", None)  # the class's: no fallback to torch.<device>
+    return choose() if choose is not None else collectives_for(current_omni_platform.device_type)
 
 
 def platform_collectives() -> Collectives:
