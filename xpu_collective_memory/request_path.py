@@ -189,6 +189,6 @@ def staged_stats(loading_too: bool = False) -> dict[str, int] | None:
     choice = request_collectives.platform_choice() if loading_too else request_collectives.platform_collectives()
     if not choice.staged:
         return None
-    modules = module_collectives._PERSISTENT.stats()  # its blocks: the coordinator's, and its batches' pool
+    modules, coordinators = module_collectives._PERSISTENT.stats(), choice.stats()  # modules': the shared blocks too
     counts = ("staged_calls", "chunked_calls", "fallbacks", "payload_bytes", "staged_bytes")
-    return modules | {key: modules[key] + choice.stats()[key] for key in counts}
+    return modules | {key: modules[key] + coordinators[key] for key in counts}
