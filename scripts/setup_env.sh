@@ -50,7 +50,10 @@ if [ "$(stamp_of requirements)" != "$reqs_stamp" ]; then
 fi
 
 # Our modules land inside the installed vllm-omni package, and the plugin entry point is registered. The
-# distribution's name before 0.12.0 goes first: its plugin would hook the workers a second time.
+# distribution's name before 0.12.0 goes first: its plugin would hook the workers a second time. Both stacks build
+# from this checkout's build/ and *.egg-info: one build at a time (scripts/test.sh sets both up at once).
+exec 9<setup.py
+flock 9
 "${pip[@]}" uninstall -q -y minimax-h3-vae-gather 2>/dev/null || true
 # setuptools never empties build/: a package renamed or removed since the last build would ship again.
 rm -rf build
@@ -59,4 +62,5 @@ rm -rf build
 # inert unless VLLM_OMNI_CPU_TEST_PLATFORM=1 on a machine without an accelerator.
 "${pip[@]}" install -q --no-deps --force-reinstall ./tests/cpu_platform
 echo "$project_stamp" > "$venv/.stamp-project"
+flock -u 9
 echo "setup_env.sh: $venv ready" >&2

@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""What each gloo rank runs for Inductor on the whole series: this checkout's own, beside the patches' helpers."""
+"""What each gloo rank runs for Inductor on the whole series: this checkout's own, beside the patches' helpers. Each
+start of ranks pays their imports and Inductor's first compile, so one start runs every check of its world size."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from tests.distributed import order_ranks, sequence_parallel_ranks, traced_ranks
 from tests.distributed.collective_ranks import SWITCH_ENV, data, run_switched
 from tests.distributed.managed_ranks import _EveryKind
+
+INDUCTOR = ("inductor",)
 
 
 def managed_checks(rank: int, world: int) -> dict[str, Any]:
@@ -32,3 +36,16 @@ def managed_checks(rank: int, world: int) -> dict[str, Any]:
     os.environ[SWITCH_ENV] = "0"
     dist.barrier()
     return report
+
+
+def two_rank_checks(rank: int, world: int) -> dict[str, Any]:
+    """The coordinator compiled whole, then Ulysses and Ring."""
+    return {
+        "coordinator": traced_ranks.compile_checks(rank, world, INDUCTOR),
+        "sequence_parallel": sequence_parallel_ranks.compile_checks(rank, world, INDUCTOR),
+    }
+
+
+def four_rank_checks(rank: int, world: int) -> dict[str, Any]:
+    """Every kind through ``managed_distributed``, then the program order."""
+    return {"managed": managed_checks(rank, world), "order": order_ranks.checks(rank, world)}

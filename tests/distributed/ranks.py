@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Start real ``torch.distributed`` ranks (gloo on CPU) as spawned processes and collect what each reports.
+"""Start real ``torch.distributed`` ranks (gloo on CPU) as processes of their own and collect what each reports.
 
 Self-contained (torch only): the tests that use it need nothing else to start their ranks.
 """
@@ -19,6 +19,7 @@ PREPARE: Callable[[], None] | None = None  # run first in every rank unless a ca
 
 
 def _rank_entry(fn, rank, world_size, port, backend, pg_timeout_s, results, env, prepare, args) -> None:
+    os.environ.clear()  # a forked rank has the environment its server started with: the caller's, as of this call
     os.environ.update(env)
     import torch.distributed as dist
 
@@ -46,7 +47,7 @@ def run_ranks(
     prepare: Callable[[], None] | None = None,
     backend: str = "gloo",
 ) -> dict[int, tuple[str, Any]]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned ranks joined in one process group.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes joined in one process group.
 
     Returns ``{rank: ("ok", result) | ("error", traceback)}`` for the ranks that reported within
     ``timeout_s``; ranks still running then are killed and absent, so a hang shows as a missing rank.
@@ -56,7 +57,13 @@ def run_ranks(
 
     prepare = prepare if prepare is not None else PREPARE
 
-    ctx = mp.get_context("spawn")
+    if prepare is None and fn.__module__ != "__main__":
+        # Forked from a server that imported the ranks' module once: a start then pays no imports (vLLM-Omni's take
+        # seconds in every process). Without a server yet, this call's module is what it imports.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([fn.__module__])
+    else:
+        ctx = mp.get_context("spawn")  # ``prepare`` runs before anything is imported
     results = ctx.Queue()
     # The parent holds the rendezvous store on a port the OS picked and keeps it bound until the ranks are done: no
     # port is chosen, released and then raced for by whatever else starts meanwhile.
@@ -65,7 +72,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(fn, rank, world_size, port, backend, pg_timeout_s, results, dict(env or {}), prepare, args),
+            args=(fn, rank, world_size, port, backend, pg_timeout_s, results, os.environ | (env or {}), prepare, args),
             daemon=True,
         )
         for rank in range(world_size)
