@@ -1,15 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-import os
-
 from tests.distributed import ranks
 from tests.utils import use_working_tree
-from tooling.upstream_patches import TREE_ENV
 
-# Before any test module imports vae_gather: the checkout under test, never a stale installed copy; in every
-# spawned rank too. A patched tree comes first on the path already: its ranks fork from a server that imported them.
+# Before any test module imports vae_gather: the checkout under test, never a stale installed copy; in every rank
+# too (the server they fork from imports tests/working_tree.py first).
 use_working_tree()
-ranks.PREPARE = None if os.environ.get(TREE_ENV) is not None else use_working_tree
+ranks.PRELOAD = ("tests.working_tree",)
 
 
 def pytest_addoption(parser):

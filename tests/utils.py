@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-# Re-exported; spawned ranks put the working tree first through the runner's PREPARE, which tests/conftest.py sets.
+# Re-exported; ranks put the working tree first through the runner's PRELOAD, which tests/conftest.py sets.
 from tests.distributed.ranks import results_or_raise, run_ranks  # noqa: F401
 from tooling.upstream_patches import TREE_ENV
 

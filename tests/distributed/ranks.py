@@ -15,7 +15,9 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-PREPARE: Callable[[], None] | None = None  # run first in every rank unless a call names its own
+# Imported first by the server every rank forks from, before the rank function's module: what a rank needs in place
+# before that module is imported (a conftest names it).
+PRELOAD: tuple[str, ...] = ()
 
 
 def _rank_entry(fn, rank, world_size, port, backend, pg_timeout_s, results, env, prepare, args) -> None:
@@ -49,21 +51,20 @@ def run_ranks(
 ) -> dict[int, tuple[str, Any]]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes joined in one process group.
 
+    The ranks fork from one server that imported ``PRELOAD`` and the first call's module once (vLLM-Omni's imports
+    take seconds in every process); with ``prepare`` they are spawned instead, each a fresh interpreter that runs it
+    first, for what is read only when vLLM-Omni loads. Either way a rank sees the caller's environment plus ``env``.
     Returns ``{rank: ("ok", result) | ("error", traceback)}`` for the ranks that reported within
     ``timeout_s``; ranks still running then are killed and absent, so a hang shows as a missing rank.
     """
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    prepare = prepare if prepare is not None else PREPARE
-
-    if prepare is None and fn.__module__ != "__main__":
-        # Forked from a server that imported the ranks' module once: a start then pays no imports (vLLM-Omni's take
-        # seconds in every process). Without a server yet, this call's module is what it imports.
+    if prepare is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([fn.__module__])
+        ctx.set_forkserver_preload([*PRELOAD, *([fn.__module__] if fn.__module__ != "__main__" else [])])
     else:
-        ctx = mp.get_context("spawn")  # ``prepare`` runs before anything is imported
+        ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The parent holds the rendezvous store on a port the OS picked and keeps it bound until the ranks are done: no
     # port is chosen, released and then raced for by whatever else starts meanwhile.

@@ -19,7 +19,7 @@ from importlib.metadata import PathDistribution, entry_points, version
 
 import pytest
 
-from tests.utils import REPO_ROOT, results_or_raise, run_ranks
+from tests.utils import REPO_ROOT, results_or_raise, run_ranks, use_working_tree
 from tooling.synthetic import build_synthetic_checkpoint
 from xpu_collective_memory import overlay, plugin
 
@@ -221,15 +221,19 @@ def _changed(before: dict, after) -> list[str]:
 
 
 def _started_together(scenarios: dict[str, tuple], **env: str) -> dict[str, dict]:
-    """Each scenario ``(fn, *args)`` in a fresh single-rank process, all started at once: each loads vLLM-Omni on its
-    own (about ten seconds of CPU), so started together they take the time of a few on this machine's cores. Each
-    test reads its own scenario's outcome (``results_or_raise``), so a failure names the scenario it comes from."""
+    """Each scenario ``(fn, *args)`` in a fresh single-rank interpreter (spawned: the plugin reads its switches when
+    vLLM-Omni loads), all started at once: each loads vLLM-Omni on its own (about ten seconds of CPU), so started
+    together they take the time of a few on this machine's cores. Each test reads its own scenario's outcome
+    (``results_or_raise``), so a failure names the scenario it comes from."""
     from concurrent.futures import ThreadPoolExecutor
 
     with pytest.MonkeyPatch.context() as mp, ThreadPoolExecutor(max_workers=len(scenarios)) as pool:
         for name, value in env.items():  # read at interpreter start: set before the processes are spawned
             mp.setenv(name, value)
-        started = {key: pool.submit(run_ranks, fn, 1, *args, timeout_s=600) for key, (fn, *args) in scenarios.items()}
+        started = {
+            key: pool.submit(run_ranks, fn, 1, *args, timeout_s=600, prepare=use_working_tree)
+            for key, (fn, *args) in scenarios.items()
+        }
         return {key: future.result() for key, future in started.items()}
 
 
