@@ -1,6 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
-"""Test plumbing: run the working tree's modules, in this process and in every spawned rank."""
+"""Test plumbing: run the working tree's modules, in this process and in every rank it starts."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ environment:
 from __future__ import annotations
 
 import argparse
+import atexit
 import functools
 import os
 import re
@@ -220,6 +221,7 @@ def _wheel() -> Path:
 def _pristine_template() -> Path:
     """The pristine tree, built once per process (extracting and committing some 4,000 files takes seconds)."""
     template = Path(tempfile.mkdtemp(prefix="vllm-omni-pristine-"))
+    atexit.register(shutil.rmtree, template, ignore_errors=True)
     with zipfile.ZipFile(_wheel()) as archive:
         archive.extractall(template, [n for n in archive.namelist() if n.startswith("vllm_omni/")])
     shutil.copytree(UPSTREAM_TESTS, template, dirs_exist_ok=True)

@@ -7,6 +7,7 @@ Self-contained (torch only): the tests that use it need nothing else to start th
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import time
@@ -15,12 +16,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-# Imported first by the server every rank forks from, before the rank function's module: what a rank needs in place
-# before that module is imported (a conftest names it).
+# Imported first by the server every rank forks from, and again by each rank in case the server could not: what must
+# be in place before anything else of the code under test is imported (empty unless a test suite names some).
 PRELOAD: tuple[str, ...] = ()
 
 
-def _rank_entry(fn, rank, world_size, port, backend, pg_timeout_s, results, env, prepare, args) -> None:
+def _rank_entry(fn, rank, world_size, port, backend, pg_timeout_s, results, env, prepare, preload, args) -> None:
     os.environ.clear()  # a forked rank has the environment its server started with: the caller's, as of this call
     os.environ.update(env)
     import torch.distributed as dist
@@ -28,6 +29,8 @@ def _rank_entry(fn, rank, world_size, port, backend, pg_timeout_s, results, env,
     try:
         if prepare is not None:
             prepare()
+        for name in preload:  # a no-op where the server imported it (the server passes over a module that fails)
+            importlib.import_module(name)
         timeout = timedelta(seconds=pg_timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
@@ -49,11 +52,13 @@ def run_ranks(
     prepare: Callable[[], None] | None = None,
     backend: str = "gloo",
 ) -> dict[int, tuple[str, Any]]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes joined in one process group.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes of their own joined in one process group.
 
-    The ranks fork from one server that imported ``PRELOAD`` and the first call's module once (vLLM-Omni's imports
-    take seconds in every process); with ``prepare`` they are spawned instead, each a fresh interpreter that runs it
-    first, for what is read only when vLLM-Omni loads. Either way a rank sees the caller's environment plus ``env``.
+    The ranks fork from one server, started by the first call, that imported ``PRELOAD`` and that call's module
+    (vLLM-Omni's imports take seconds in every process); with ``prepare`` they are spawned instead, each a fresh
+    interpreter that runs it first, for what is read only when vLLM-Omni loads. Either way a rank sees the caller's
+    environment as of this call, plus ``env``.
+
     Returns ``{rank: ("ok", result) | ("error", traceback)}`` for the ranks that reported within
     ``timeout_s``; ranks still running then are killed and absent, so a hang shows as a missing rank.
     """
@@ -70,10 +75,11 @@ def run_ranks(
     # port is chosen, released and then raced for by whatever else starts meanwhile.
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     port = store.port
+    environ = os.environ | (env or {})
     procs = [
         ctx.Process(
             target=_rank_entry,
-            args=(fn, rank, world_size, port, backend, pg_timeout_s, results, os.environ | (env or {}), prepare, args),
+            args=(fn, rank, world_size, port, backend, pg_timeout_s, results, environ, prepare, PRELOAD, args),
             daemon=True,
         )
         for rank in range(world_size)

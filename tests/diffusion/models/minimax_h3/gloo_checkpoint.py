@@ -8,7 +8,7 @@ import torch
 
 
 def checkpoint_on_gloo_rank(rank: int, world: int):
-    """On a spawned gloo rank: the synthetic checkpoint's autoencoder (its gather is the checkpoint's
+    """On a gloo rank of its own: the synthetic checkpoint's autoencoder (its gather is the checkpoint's
     variable-shape list gather) behind an adapter-shaped object, parallel state filled as the adapter does."""
     from types import SimpleNamespace
 

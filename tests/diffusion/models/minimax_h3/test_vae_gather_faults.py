@@ -2,7 +2,7 @@
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM-Omni project
 """Bad input and injected faults on four real gloo ranks: whatever one rank gets wrong, no peer is left blocked.
 
-One spawn runs the shared case table (bad_input_cases.py), an out-of-memory on one rank and a reinstall on
+One start of ranks runs the shared case table (bad_input_cases.py), an out-of-memory on one rank and a reinstall on
 one rank; after each case a good gather proves the ranks are still in step. A rank left inside a collective
 would show as a timeout well under the group's.
 """
